@@ -1,0 +1,340 @@
+"""Model and decoding configuration.
+
+`ModelConfig` is the subset of a Hugging Face `config.json` that the executors need, read for the two LLaDA
+families (`llada2_moe` = LLaDA2.0-mini/flash, `llada_moe` = LLaDA-MoE-7B-A1B; its repo says `llada`, some copies
+`lladamoe`). DiffusionGemma has its own nested config (`GemmaConfig`, in `dblock.reference.gemma`), read through the
+same `load_config` entry point.
+
+Every value the executors do not implement is refused with a `ConfigError` naming the key and the allowed values;
+nothing is silently defaulted except the documented LLaDA token ids and block size, which real LLaDA configs do
+not carry (they are `generate` arguments upstream).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Token ids shared by LLaDA-MoE and LLaDA2.0 (vocab 157184). Upstream they are `generate` defaults, not config keys.
+LLADA_VOCAB = 157184
+LLADA_MASK_ID = 156895
+LLADA_EOS_ID = 156892
+
+FAMILIES = ("llada2_moe", "llada_moe", "diffusion_gemma")
+_MODEL_TYPE_TO_FAMILY = {
+    "llada2_moe": "llada2_moe",
+    "llada": "llada_moe",
+    "lladamoe": "llada_moe",
+    "llada_moe": "llada_moe",
+    "diffusion_gemma": "diffusion_gemma",
+}
+
+
+class ConfigError(ValueError):
+    """A config.json value dblock cannot run. The message names the file, the key and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    """One LLaDA-family model. Field names follow the HF config keys of LLaDA2.0 where they exist."""
+
+    family: str                      # "llada2_moe" or "llada_moe" (DiffusionGemma: GemmaConfig)
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int         # GQA: each KV head serves num_attention_heads // num_key_value_heads queries
+    head_dim: int
+    intermediate_size: int           # dense SwiGLU layers (the first `first_k_dense_replace`)
+    moe_intermediate_size: int       # one routed expert
+    num_experts: int
+    num_experts_per_tok: int         # K of the router's top-K
+    num_shared_experts: int = 0      # shared expert width = num_shared_experts * moe_intermediate_size, added unweighted
+    first_k_dense_replace: int = 0   # layers [0, first_k_dense_replace) are dense, the rest MoE
+    n_group: int = 1                 # group-limited routing: experts split into n_group groups ...
+    topk_group: int = 1              # ... of which the topk_group best (sum of their top-2 choice scores) are eligible
+    routed_scaling_factor: float = 1.0
+    score_function: str = "sigmoid"  # "sigmoid" (LLaDA2: + expert bias for choice, renorm, scale) or "softmax" (LLaDA-MoE)
+    use_expert_bias: bool = False    # llada2_moe: bias used for choice only; llada_moe: added to probs (HF semantics)
+    norm_topk_prob: bool = True      # renormalise the K chosen weights to sum 1 (then x routed_scaling_factor)
+    partial_rotary_factor: float = 1.0  # RoPE on the first rotary_dim = head_dim * factor dims (NeoX rotate_half)
+    rope_theta: float = 10000.0
+    use_qk_norm: bool = True         # per-head RMSNorm of q and k, before RoPE
+    rms_norm_eps: float = 1e-6
+    mask_token_id: int = LLADA_MASK_ID
+    eos_token_id: int = LLADA_EOS_ID
+    pad_token_id: int = LLADA_EOS_ID
+    block_size: int = 32             # diffusion block C (not an HF key; dblock's `block_size` key or --block-size)
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    model_type: str = ""             # as written in config.json
+    extra: dict = field(default_factory=dict, repr=False)  # the raw json, for `dblock info`
+
+    # ---- derived quantities -------------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    def validate(self, source: str = "config") -> "ModelConfig":
+        def bad(key: str, value: Any, allowed: str) -> ConfigError:
+            return ConfigError(f"{source}: unsupported {key}={value!r} (allowed: {allowed})")
+
+        if self.family not in ("llada2_moe", "llada_moe"):
+            raise bad("family", self.family, "llada2_moe, llada_moe")
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "block_size"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v <= 0:
+                raise bad(key, v, "a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad("num_key_value_heads", self.num_key_value_heads,
+                      f"a divisor of num_attention_heads={self.num_attention_heads}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise bad("num_experts_per_tok", self.num_experts_per_tok, f"<= num_experts={self.num_experts}")
+        if self.score_function not in ("sigmoid", "softmax"):
+            raise bad("score_function", self.score_function, "sigmoid, softmax")
+        if self.num_experts % self.n_group:
+            raise bad("n_group", self.n_group, f"a divisor of num_experts={self.num_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise bad("topk_group", self.topk_group, f"1..n_group={self.n_group}")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise bad("n_group", self.n_group, "groups of at least 2 experts (group score = sum of the top 2)")
+        if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
+            raise bad("topk_group", self.topk_group, "enough kept groups to hold num_experts_per_tok experts")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise bad("partial_rotary_factor", self.partial_rotary_factor, "(0, 1] giving an even rotary_dim")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise bad("first_k_dense_replace", self.first_k_dense_replace, f"0..{self.num_hidden_layers}")
+        if self.first_k_dense_replace > 0 and self.intermediate_size <= 0:
+            raise bad("intermediate_size", self.intermediate_size, "a positive integer when dense layers exist")
+        for key in ("mask_token_id", "eos_token_id", "pad_token_id"):
+            v = getattr(self, key)
+            if not 0 <= v < self.vocab_size:
+                raise bad(key, v, f"0..vocab_size-1={self.vocab_size - 1}")
+        if self.mask_token_id == self.eos_token_id:
+            raise bad("mask_token_id", self.mask_token_id, "different from eos_token_id")
+        return self
+
+    def to_hf_dict(self) -> dict:
+        """The config.json that `save` writes: HF keys of the family plus dblock's token ids and block size."""
+        if self.family == "llada2_moe":
+            d = {
+                "model_type": "llada2_moe",
+                "architectures": ["LLaDA2MoeModelLM"],
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+                "intermediate_size": self.intermediate_size, "moe_intermediate_size": self.moe_intermediate_size,
+                "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "num_shared_experts": self.num_shared_experts, "first_k_dense_replace": self.first_k_dense_replace,
+                "n_group": self.n_group, "topk_group": self.topk_group,
+                "routed_scaling_factor": self.routed_scaling_factor, "score_function": self.score_function,
+                "moe_router_enable_expert_bias": self.use_expert_bias, "norm_topk_prob": self.norm_topk_prob,
+                "partial_rotary_factor": self.partial_rotary_factor, "rope_theta": self.rope_theta,
+                "use_qk_norm": self.use_qk_norm, "use_qkv_bias": False, "use_bias": False,
+                "rms_norm_eps": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
+                "tie_word_embeddings": False,
+            }
+        else:
+            d = {
+                "model_type": "llada",
+                "architectures": ["LLaDAMoEModelLM"],
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+                "expert_intermediate_size": self.moe_intermediate_size, "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok, "moe_layer_freq": 1,
+                "shared_expert_intermediate_size": None, "partial_rotary_factor": self.partial_rotary_factor,
+                "rope_theta": self.rope_theta, "qk_layernorm": self.use_qk_norm,
+                "moe_router_enable_expert_bias": self.use_expert_bias,
+                "rms_norm_eps": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
+                "tie_word_embeddings": False,
+            }
+        d.update(mask_token_id=self.mask_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                 block_size=self.block_size)
+        return d
+
+
+def _require(d: dict, key: str, source: str):
+    if key not in d:
+        raise ConfigError(f"{source}: missing key {key!r}")
+    return d[key]
+
+
+def _token_ids(d: dict, source: str) -> dict:
+    """mask/eos/pad ids: from the file when present, else LLaDA's fixed ids (only valid for the 157184 vocab)."""
+    out = {}
+    vocab = d.get("vocab_size")
+    defaults = {"mask_token_id": LLADA_MASK_ID, "eos_token_id": LLADA_EOS_ID, "pad_token_id": None}
+    for key, default in defaults.items():
+        v = d.get(key)
+        if isinstance(v, list):  # HF allows a list of eos ids; the first is the one we emit and stop on
+            v = v[0] if v else None
+        if v is None and key == "pad_token_id":
+            v = out.get("eos_token_id")
+        if v is None:
+            if vocab != LLADA_VOCAB:
+                raise ConfigError(f"{source}: no {key} and vocab_size={vocab} is not LLaDA's {LLADA_VOCAB}: "
+                                  f"add {key} to config.json")
+            v = default
+        out[key] = int(v)
+    return out
+
+
+def llada_config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
+    model_type = d.get("model_type")
+    family = _MODEL_TYPE_TO_FAMILY.get(model_type)
+    if family not in ("llada2_moe", "llada_moe"):
+        raise ConfigError(f"{source}: unknown model_type {model_type!r} "
+                          f"(allowed: {', '.join(sorted(_MODEL_TYPE_TO_FAMILY))})")
+    req = lambda k: _require(d, k, source)  # noqa: E731
+    hidden, heads = req("hidden_size"), req("num_attention_heads")
+    head_dim = d.get("head_dim") or hidden // heads
+    common = dict(
+        vocab_size=req("vocab_size"), hidden_size=hidden, num_hidden_layers=req("num_hidden_layers"),
+        num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads, head_dim=head_dim,
+        rope_theta=float(d.get("rope_theta", 10000.0)), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0) or 1.0),
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        block_size=int(d.get("block_size", 32)), model_type=model_type, extra=dict(d),
+        **_token_ids(d, source),
+    )
+    if d.get("tie_word_embeddings", False):
+        raise ConfigError(f"{source}: unsupported tie_word_embeddings=True (allowed: False; both LLaDA families "
+                          "ship a separate lm_head.weight)")
+    for key in ("use_qkv_bias", "use_bias", "attention_bias"):
+        if d.get(key, False):
+            raise ConfigError(f"{source}: unsupported {key}=True (allowed: False)")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{source}: unsupported hidden_act={act!r} (allowed: silu)")
+    rope_scaling = d.get("rope_scaling")
+    if rope_scaling not in (None, {}) and (rope_scaling or {}).get("type", rope_scaling.get("rope_type")) not in (
+            None, "default"):
+        raise ConfigError(f"{source}: unsupported rope_scaling={rope_scaling!r} (allowed: null)")
+
+    if family == "llada2_moe":
+        score = d.get("score_function", "sigmoid")
+        if score != "sigmoid":
+            # the HF LLaDA2 gate ignores this key and always uses sigmoid; refuse a value we would silently ignore
+            raise ConfigError(f"{source}: unsupported score_function={score!r} (allowed: sigmoid for llada2_moe)")
+        cfg = ModelConfig(
+            family=family, intermediate_size=req("intermediate_size"),
+            moe_intermediate_size=req("moe_intermediate_size"), num_experts=req("num_experts"),
+            num_experts_per_tok=req("num_experts_per_tok"), num_shared_experts=int(d.get("num_shared_experts") or 0),
+            first_k_dense_replace=int(d.get("first_k_dense_replace", 0)), n_group=int(d.get("n_group") or 1),
+            topk_group=int(d.get("topk_group") or 1),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)), score_function="sigmoid",
+            use_expert_bias=bool(d.get("moe_router_enable_expert_bias", True)),
+            # HF LLaDA2MoeGate always renormalises when top_k > 1, whatever norm_topk_prob says
+            norm_topk_prob=True, use_qk_norm=bool(d.get("use_qk_norm", True)), **common)
+    else:
+        freq = d.get("moe_layer_freq", 1)
+        if not (freq == 1 or (isinstance(freq, list) and all(f == 1 for f in freq))):
+            raise ConfigError(f"{source}: unsupported moe_layer_freq={freq!r} (allowed: 1, every layer MoE)")
+        if d.get("shared_expert_intermediate_size"):
+            raise ConfigError(f"{source}: unsupported shared_expert_intermediate_size="
+                              f"{d['shared_expert_intermediate_size']!r} (allowed: null for llada_moe)")
+        moe_inter = d.get("expert_intermediate_size") or d.get("moe_intermediate_size")
+        if not moe_inter:
+            raise ConfigError(f"{source}: missing key 'expert_intermediate_size'")
+        cfg = ModelConfig(
+            family=family, intermediate_size=int(d.get("dense_intermediate_size") or 0),
+            moe_intermediate_size=int(moe_inter), num_experts=req("num_experts"),
+            num_experts_per_tok=req("num_experts_per_tok"), num_shared_experts=0, first_k_dense_replace=0,
+            n_group=1, topk_group=1, routed_scaling_factor=1.0, score_function="softmax",
+            use_expert_bias=bool(d.get("moe_router_enable_expert_bias", False)), norm_topk_prob=False,
+            use_qk_norm=bool(d.get("qk_layernorm", d.get("use_qk_norm", True))), **common)
+    return cfg.validate(source)
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def family_of(d: dict, source: str = "config.json") -> str:
+    mt = d.get("model_type")
+    fam = _MODEL_TYPE_TO_FAMILY.get(mt)
+    if fam is None:
+        raise ConfigError(f"{source}: unknown model_type {mt!r} (allowed: {', '.join(sorted(_MODEL_TYPE_TO_FAMILY))})")
+    return fam
+
+
+def load_config(folder_or_file: str):
+    """Read a model folder's config.json into ModelConfig (LLaDA families) or GemmaConfig (DiffusionGemma)."""
+    path = folder_or_file
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    d = read_json(path)
+    fam = family_of(d, path)
+    if fam == "diffusion_gemma":
+        from dblock.reference.gemma import GemmaConfig  # lazy: keeps config.py free of model imports
+        return GemmaConfig.from_hf_dict(d, path)
+    return llada_config_from_dict(d, path)
+
+
+@dataclass
+class DecodeConfig:
+    """How to decode: step rule, block size, budgets. Defaults follow SPEC §2 (the Epoch evaluation decoder)."""
+
+    max_new_tokens: int = 128
+    block_size: int | None = None    # None: the model's own (config.json `block_size`, 32 for LLaDA)
+    rule: str = "threshold"          # "threshold" (SPEC 2.1) | "fixed-k" (2.2) | "entropy-bound" (2.3, uniform-state)
+    threshold: float = 0.95          # tau of the threshold rule
+    max_steps: int = 64              # threshold rule: passes per block before committing the rest by argmax
+    steps: int | None = None         # fixed-k: passes per block (default 32); entropy-bound: N steps per block (48)
+    no_cache: bool = False           # llada2_moe: recompute the whole prefix every pass ("dInfer without cache")
+    seed: int = 0
+    # entropy-bound rule (uniform-state, SPEC 2.3; transformers' DiffusionGemma defaults)
+    entropy_bound: float = 0.1       # b: accept the longest low-entropy prefix with cumsum(H) - H_last <= b
+    temperature: tuple = (0.8, 0.4)  # (t_max, t_min): T = t_min + (t_max - t_min) * n / N, n = steps remaining
+    stability: int = 1               # stop when the argmax canvas equals the previous `stability` ones ...
+    confidence: float = 0.005        # ... and the mean entropy is below this (e_stop)
+
+    @property
+    def n_steps(self) -> int:
+        """Steps per block of the rule in use: `steps`, or 32 (fixed-k) / 48 (entropy-bound) when unset."""
+        if self.steps is not None:
+            return self.steps
+        return 48 if self.rule == "entropy-bound" else 32
+
+    def validate(self) -> "DecodeConfig":
+        if self.max_new_tokens <= 0:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be a positive integer")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ConfigError(f"block_size={self.block_size}: must be a positive integer")
+        if self.rule not in ("threshold", "fixed-k", "entropy-bound"):
+            raise ConfigError(f"rule={self.rule!r}: allowed threshold, fixed-k, entropy-bound")
+        if not 0.0 < self.threshold <= 1.0:
+            raise ConfigError(f"threshold={self.threshold}: must lie in (0, 1]")
+        if self.max_steps <= 0 or (self.steps is not None and self.steps <= 0):
+            raise ConfigError(f"max_steps={self.max_steps}, steps={self.steps}: must be positive integers")
+        if self.entropy_bound < 0:
+            raise ConfigError(f"entropy_bound={self.entropy_bound}: must be >= 0")
+        if len(self.temperature) != 2 or min(self.temperature) <= 0:
+            raise ConfigError(f"temperature={self.temperature}: give two positive values t_max,t_min")
+        if self.stability < 0 or self.confidence < 0:
+            raise ConfigError(f"stability={self.stability}, confidence={self.confidence}: must be >= 0")
+        return self
+
+    def replace(self, **kw) -> "DecodeConfig":
+        return dataclasses.replace(self, **kw)

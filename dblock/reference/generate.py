@@ -1,0 +1,92 @@
+"""`generate(requests) -> tokens + counters`: the library entry behind `dblock generate`.
+
+Counters (SPEC §0), summed over requests: Y valid tokens, K blocks, F denoising passes, Q serving passes,
+TPF = ΣY/ΣQ; T_den = mean wall time of a denoising call (a batched call counts once); TPS = ΣY / denoising wall
+time; wall TPS = ΣY / whole wall time (host overhead, prefill and appends included).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from dblock.config import DecodeConfig
+from dblock.forward import Forward
+from dblock.reference.schedules import Request, RequestRun, RunTimes, ScheduleSpec, drive, schedule_spec
+from dblock.trace import NULL_TRACE, TraceWriter
+
+
+def reference_forward(model) -> Forward:
+    """The readable dense executor for a loaded model of any family."""
+    if model.config.family == "diffusion_gemma":
+        from dblock.reference.gemma import GemmaReference
+        return GemmaReference(model)
+    from dblock.reference.executor import LladaReference
+    return LladaReference(model)
+
+
+@dataclass
+class GenerateResult:
+    tokens: list                       # per request: generated ids up to and including the first EOS
+    counters: list                     # per request: Counters
+    times: RunTimes
+    runs: list = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict:
+        Y = sum(c.Y for c in self.counters)
+        K = sum(c.K for c in self.counters)
+        F = sum(c.F for c in self.counters)
+        Q = sum(c.Q for c in self.counters)
+        t = self.times
+        return {
+            "requests": len(self.counters), "Y": Y, "K": K, "F": F, "Q": Q,
+            "TPF": Y / Q if Q else 0.0,
+            "passes_per_block": F / K if K else 0.0,
+            "denoise_calls": t.den_calls, "append_calls": t.app_calls,
+            "T_den_ms": 1e3 * t.den_s / t.den_calls if t.den_calls else 0.0,
+            "TPS": Y / t.den_s if t.den_s else 0.0,
+            "wall_TPS": Y / t.wall_s if t.wall_s else 0.0,
+            "wall_s": t.wall_s,
+        }
+
+
+def as_requests(prompts: Sequence, max_new_tokens: int, seed: int = 0, seeds: Optional[Sequence[int]] = None):
+    reqs = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, Request):
+            reqs.append(p)
+            continue
+        s = seeds[i] if seeds is not None else seed
+        reqs.append(Request(prompt=list(p), max_new_tokens=max_new_tokens, seed=s, id=i))
+    return reqs
+
+
+def generate(model_or_forward: Any, prompts: Sequence, dec: Optional[DecodeConfig] = None,
+             schedule: str | ScheduleSpec = "native", trace: TraceWriter = NULL_TRACE, progress: bool = False,
+             seeds: Optional[Sequence[int]] = None, batch_size: Optional[int] = None) -> GenerateResult:
+    """Decode every prompt (a list of token ids, or a Request) and return tokens and counters.
+
+    `model_or_forward`: a loaded model (the reference executor is used) or any Forward.
+    `batch_size`: run at most this many requests at once (default: all together).
+    """
+    dec = (dec or DecodeConfig()).validate()
+    fwd = model_or_forward if isinstance(model_or_forward, Forward) else reference_forward(model_or_forward)
+    spec = schedule if isinstance(schedule, ScheduleSpec) else schedule_spec(schedule)
+    reqs = as_requests(prompts, dec.max_new_tokens, dec.seed, seeds)
+    runs = [RequestRun(r, fwd, spec, dec) for r in reqs]  # validates every prompt before any compute
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(r.last_block - r.first_block + 1 for r in runs), unit="block", desc="generate",
+                   leave=False)
+    total = RunTimes()
+    step = batch_size or len(runs)
+    with torch.no_grad():
+        for i in range(0, len(runs), step):
+            t = drive(runs[i:i + step], fwd, trace, bar)
+            for k in vars(total):
+                setattr(total, k, getattr(total, k) + getattr(t, k))
+    if bar is not None:
+        bar.close()
+    return GenerateResult([r.output_tokens() for r in runs], [r.counters for r in runs], total, runs)
