@@ -1,0 +1,19 @@
+"""dblock: block-diffusion mixture-of-experts language models, fast and provably right.
+
+    import dblock
+    model = dblock.load("tiny-masked")                     # or a local HF folder
+    res = dblock.generate(model, [[5, 6, 7]], dblock.DecodeConfig(max_new_tokens=64))
+    res.tokens, res.summary()
+"""
+from dblock.config import ConfigError, DecodeConfig, ModelConfig, load_config
+from dblock.weights import WeightsError, load, save
+
+
+def generate(*args, **kwargs):
+    """See `dblock.reference.generate.generate`."""
+    from dblock.reference.generate import generate as _generate
+    return _generate(*args, **kwargs)
+
+
+__all__ = ["load", "save", "generate", "load_config", "DecodeConfig", "ModelConfig", "ConfigError", "WeightsError"]
+__version__ = "0.1.0"

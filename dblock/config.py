@@ -114,7 +114,8 @@ class ModelConfig:
             raise bad("n_group", self.n_group, "groups of at least 2 experts (group score = sum of the top 2)")
         if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
             raise bad("topk_group", self.topk_group, "enough kept groups to hold num_experts_per_tok experts")
-        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+        exact = self.head_dim * self.partial_rotary_factor
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or abs(exact - round(exact)) > 1e-9 or self.rotary_dim % 2:
             raise bad("partial_rotary_factor", self.partial_rotary_factor, "(0, 1] giving an even rotary_dim")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise bad("first_k_dense_replace", self.first_k_dense_replace, f"0..{self.num_hidden_layers}")

@@ -37,7 +37,7 @@ def tiny_config(family: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides}).validate(f"tiny {family} config")
 
 
-def init_llada(model, seed: int, std: float = 0.02, head_std: float = 0.5) -> None:
+def init_llada(model, seed: int, std: float = 0.02, head_std: float = 3.0) -> None:
     """Deterministic random init (normal std for matrices, ones for norms, small random expert bias)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

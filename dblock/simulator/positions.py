@@ -242,7 +242,7 @@ class PositionModel:
         n_int = max(1, int(math.ceil(n - 1e-9)))
         acc = np.where(np.isfinite(first), np.clip(np.ceil(first - 1e-9), 0, n_int), -1).astype(int)
         acc[retained] = 0
-        return Promoted(passes=n if self.integer else n, accept=acc, kept=block.kept.copy(), need=need,
+        return Promoted(passes=n, accept=acc, kept=block.kept.copy(), need=need,
                         warmup_steps=warmup_steps)
 
 
@@ -264,31 +264,46 @@ def simulate_chain(model: PositionModel, schedule: str, n_blocks: int, rng: np.r
     """Decode one response of `n_blocks` blocks: block k+1 warms up while block k is current.
 
     Under "oba" every pass of block k is a warm-up step of block k+1; under "flowblock" only the passes after block
-    k reaches readiness γ; under "native" none. The last block drops its warm-up block.
+    k reaches readiness γ; under "native" none. The last block drops its warm-up block. Blocks are drawn from one
+    stream and rounding/noise from another, so two schedules run with the same `rng` seed see the same blocks.
+    With continuous passes (model.integer False) a fractional last pass counts as that fraction of a step.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: allowed {', '.join(SCHEDULES)}")
+    block_rng = np.random.default_rng(int(rng.integers(2**62)))
+    noise_rng = np.random.default_rng(int(rng.integers(2**62)))
     out: list[Promoted] = []
-    nxt = model.profile.sample(rng)
-    prev: Promoted | None = None
+    nxt = model.profile.sample(block_rng)
     clock, steps = 0.0, 0
     for k in range(n_blocks):
-        cur = model.promote(nxt, clock, steps, rng)
+        cur = model.promote(nxt, clock, steps, noise_rng)
         out.append(cur)
         if k == n_blocks - 1:
             break
-        nxt = model.profile.sample(rng)
+        nxt = model.profile.sample(block_rng)
         clock, steps = 0.0, 0
         if schedule != "native":
             start = gate_pass(cur, gamma) if schedule == "flowblock" else 0
-            n = int(math.ceil(cur.passes - 1e-9))
-            for j in range(start + 1, n + 1):
-                clock += model.step_gain(cur, j, rng)
+            n_full = int(math.floor(cur.passes + 1e-9))
+            frac = cur.passes - n_full
+            for j in range(start + 1, n_full + 1):
+                clock += model.step_gain(cur, j, noise_rng)
+                steps += 1
+            if frac > 1e-9 and n_full + 1 > start:
+                clock += frac * model.step_gain(cur, n_full + 1, noise_rng)
                 steps += 1
             clock = max(0.0, clock)
-        prev = cur
-    del prev
     return out
+
+
+def paired_passes(block: Promoted, schedule: str, gamma: float) -> float:
+    """Passes of this block, as current, that carry a warm-up block: all under OBA, those after the gate under
+    FlowBlock (the last block too: a decoder does not know a block is the last before it commits)."""
+    if schedule == "oba":
+        return float(block.passes)
+    if schedule == "flowblock":
+        return float(block.passes) - min(float(block.passes), gate_pass(block, gamma))
+    return 0.0
 
 
 @dataclass
@@ -320,7 +335,6 @@ def predict_alpha(model: PositionModel, schedule: str, blocks_per_response: Dist
         ks = [max(1, int(round(kdist.sample(rng)))) for _ in range(responses)]
     else:
         ks = [int(k) for k in blocks_per_response]
-    # a separate stream for the native reference so both runs see the same blocks
     F = 0.0
     saved, steps, pred_passes, paired = 0.0, 0, 0.0, 0.0
     for i, K in enumerate(ks):
@@ -328,16 +342,11 @@ def predict_alpha(model: PositionModel, schedule: str, blocks_per_response: Dist
         native = simulate_chain(model, "native", K, np.random.default_rng([seed, i]), gamma=gamma)
         for k, (b, nb) in enumerate(zip(chain, native)):
             F += b.passes
+            paired += paired_passes(b, schedule, gamma)
             if k > 0:
                 saved += nb.need - b.need
                 steps += b.warmup_steps
                 pred_passes += chain[k - 1].passes
-            paired += (b.passes - gate_pass(b, gamma)) if schedule == "flowblock" and k < K - 1 else (
-                b.passes if schedule == "oba" else 0.0)
-        if schedule == "flowblock":  # the last block still runs a warm-up block after its gate
-            last = chain[-1]
-            paired += last.passes - gate_pass(last, gamma) if K > 1 or True else 0.0
-            paired -= 0.0
     K_tot, R = sum(ks), len(ks)
     nbar = model.profile.nbar
     try:

@@ -1,0 +1,34 @@
+"""Shared test fixtures and the one tolerance table (DESIGN.md "Tests and measurements")."""
+import os
+
+import pytest
+import torch
+from hypothesis import settings
+
+# Hypothesis: reproducible in CI, small budgets (the combinatorial parts are covered by many small cases).
+settings.register_profile("ci", derandomize=True, max_examples=60, deadline=None)
+settings.load_profile("ci")
+
+# One tolerance table. References run in fp64 where exactness is claimed.
+TOL = {
+    torch.float64: dict(atol=1e-10, rtol=1e-10),   # fp64 references
+    torch.float32: dict(atol=1e-5, rtol=1e-5),     # fp32 paths (CPU, Triton interpreter)
+    torch.bfloat16: dict(atol=2e-2, rtol=0.0),     # bf16 on GPU (vLLM's MoE tolerance)
+    torch.float16: dict(atol=1e-2, rtol=0.0),      # fp16 attention
+}
+
+
+def tol(dtype):
+    return TOL[dtype]
+
+
+def pytest_configure(config):
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Random tiny checkpoints of the LLaDA families, written once per session through the real save path."""
+    from dblock.tiny import make_tiny
+    root = tmp_path_factory.mktemp("tiny")
+    return {fam: make_tiny(fam, str(root / fam), seed=0) for fam in ("llada2_moe", "llada_moe")}
