@@ -1,0 +1,167 @@
+"""Expert Atlas (SPEC §4.2): a per-(block, layer) expert support S_l built from routing mass, and the model's own
+routing rule restricted to it.
+
+Only the *set* of eligible experts is cached on the block clock; ids, order and weights of every fresh token's
+experts are recomputed every pass from its current hidden state.
+
+Letter legend: N rows of one block, T rows of a batch, E experts, K experts per token, J = K + m candidates.
+
+Candidates. For each row the J = K + m best experts by the router's choice score: the first K are exactly the
+dense router's choice (group-limited for LLaDA2), the next m the best remaining experts by choice score in any
+group (the experts a token could move to when its hidden state drifts). W[t, j] is the score the router would use
+as a weight (the unbiased sigmoid for LLaDA2, the softmax probability for LLaDA-MoE), I[t, j] the expert id.
+R_t = Σ_{j<K} W[t, j] is the dense top-K mass; the target is r_t = α R_t.
+
+Worked example (N = 2 rows, E = 4, K = 1, m = 1, α = 0.9, q = 1.0, B = 1, c = 1):
+    I = [[0, 1], [2, 0]],  W = [[.6, .3], [.5, .4]]  ->  R = [.6, .5], r = [.54, .45]
+    popularity p = [.6+.4, .3, .5, 0] -> S = {0};  C = [.6, .4];  U = {row 1}
+    G_2 = min(.5, .45-.4) = .05, H_2 = 1 (.4+.5 >= .45); G_1 = 0 (row 1 has no edge to 1) -> add expert 2
+    S = {0, 2}: C = [.6, .9], U = {} -> success
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG = float("-inf")
+
+
+@dataclass
+class AtlasParams:
+    """Support construction knobs (SPEC §4.2 suggested defaults)."""
+
+    m: int | None = None        # extra candidates per token beyond K (default K)
+    alpha: float = 0.9          # coverage floor: a token is covered when C_t >= alpha * R_t
+    q: float = 0.95             # success when at most (1 - q) * N tokens are under-covered
+    B: int | None = None        # initial support: the B most popular experts (default min(E, 4K))
+    beta: float = 1.0           # score_e = H_e + beta * G_e
+    c: int | None = None        # experts added per repair round (default K)
+    update_every: int = 4       # hot-update: rebuild S_l from the current pass's scores every this many passes
+
+    def resolved(self, E: int, K: int) -> "AtlasParams":
+        return AtlasParams(m=K if self.m is None else self.m, alpha=self.alpha, q=self.q,
+                           B=min(E, 4 * K) if self.B is None else min(E, self.B), beta=self.beta,
+                           c=K if self.c is None else self.c, update_every=self.update_every)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scores, candidates and the group rule
+# ---------------------------------------------------------------------------------------------------------------
+
+def router_scores(logits_TE: torch.Tensor, bias_E, cfg):
+    """-> (weight scores W_TE, choice scores b_TE) in fp32 for the family's router."""
+    if cfg.score_function == "sigmoid":
+        s = torch.sigmoid(logits_TE)
+        return s, (s + bias_E if bias_E is not None else s)
+    p = torch.softmax(logits_TE, dim=-1)
+    if bias_E is not None:
+        p = p + bias_E
+    return p, p
+
+
+def group_mask(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
+    """(T, E) bool: experts in the topk_group best groups, a group scored by the sum of its top-2 *finite* choice
+    scores (one finite score: that score; none: -inf, never chosen). Experts already at -inf stay ineligible."""
+    T, E = choice_TE.shape
+    if cfg.n_group <= 1:
+        return torch.isfinite(choice_TE)
+    g = choice_TE.view(T, cfg.n_group, E // cfg.n_group)              # (T, G, E/G)
+    top2 = g.topk(2, dim=-1).values                                   # (T, G, 2)
+    finite = torch.isfinite(top2)
+    gscore = torch.where(finite, top2, torch.zeros_like(top2)).sum(-1)
+    gscore = torch.where(finite.any(-1), gscore, torch.full_like(gscore, NEG))
+    keep = gscore.topk(cfg.topk_group, dim=-1).indices               # (T, topk_group)
+    gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, keep, True)
+    return gmask[:, :, None].expand_as(g).reshape(T, E) & torch.isfinite(choice_TE)
+
+
+def candidates(logits_TE: torch.Tensor, bias_E, cfg, m: int):
+    """(W_TJ, I_TJ, R_T): the dense top-K (group rule applied) then the m next best by choice score."""
+    w, b = router_scores(logits_TE, bias_E, cfg)
+    K, E = cfg.num_experts_per_tok, w.shape[1]
+    if cfg.score_function == "sigmoid":
+        top = b.masked_fill(~group_mask(b, cfg), NEG).topk(K, dim=-1).indices     # the router's own choice
+    else:
+        top = b.topk(K, dim=-1).indices
+    J = min(E, K + m)
+    rest = b.scatter(1, top, NEG).topk(J - K, dim=-1).indices if J > K else top[:, :0]
+    I = torch.cat([top, rest], dim=1)                                # (T, J)
+    W = w.gather(1, I)                                               # (T, J)
+    return W, I, W[:, :K].sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# support construction
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class SupportResult:
+    support: torch.Tensor       # (E,) bool
+    success: bool               # |U| <= (1 - q) N reached
+    under: int                  # |U| at the end
+    rounds: int
+
+
+def build_support(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, E: int, p: AtlasParams) -> SupportResult:
+    """SPEC §4.2 greedy construction over one block's candidate graph (W, I: (N, J); R: (N,))."""
+    N = W.shape[0]
+    W, R = W.double(), R.double()
+    target = p.alpha * R                                             # r_t
+    onehot = torch.zeros(N, W.shape[1], E, dtype=torch.float64)
+    onehot.scatter_(2, I[:, :, None], 1.0)
+    mass_TE = (W[:, :, None] * onehot).sum(1)                        # (N, E): Σ_j W[t,j] 1[I[t,j]=e]
+    popularity = mass_TE.sum(0)                                      # p_e
+    S = torch.zeros(E, dtype=torch.bool)
+    S[popularity.topk(min(p.B, E)).indices] = True
+    allowed_under = (1.0 - p.q) * N
+    rounds = 0
+    while True:
+        cover = (mass_TE * S).sum(1)                                 # C_t
+        U = cover < target - 1e-12
+        if U.sum() <= allowed_under + 1e-9:
+            return SupportResult(S, True, int(U.sum()), rounds)
+        gap = (target - cover).clamp(min=0)                          # r_t - C_t on U
+        # G_e = Σ_{t∈U} Σ_j min(W[t,j], gap_t) over edges to e;  H_e = Σ_{t∈U} 1[C_t + mass[t,e] >= r_t]
+        G = (torch.minimum(W, gap[:, None])[:, :, None] * onehot)[U].sum((0, 1))
+        H = ((cover[:, None] + mass_TE >= target[:, None] - 1e-12) & (mass_TE > 0))[U].double().sum(0)
+        score = (H + p.beta * G).masked_fill(S, NEG)
+        score = score.masked_fill(score <= 0, NEG)
+        n_pos = int(torch.isfinite(score).sum())
+        if n_pos == 0:
+            return SupportResult(S, False, int(U.sum()), rounds)
+        S[score.topk(min(p.c, n_pos)).indices] = True
+        rounds += 1
+
+
+def coverage(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, support: torch.Tensor, alpha: float):
+    """(C_t, under-covered mask U) of a support (for invariants and reports)."""
+    C = (W * support[I].to(W.dtype)).sum(-1)
+    return C, C < alpha * R - 1e-9
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# routing restricted to a support
+# ---------------------------------------------------------------------------------------------------------------
+
+def route_restricted(logits_TE: torch.Tensor, bias_E, cfg, allowed_TE: torch.Tensor):
+    """The model's routing rule with experts outside `allowed_TE` given -inf choice scores *before* group scoring.
+
+    Returns ids (T, K) int64 and weights (T, K) fp32. A slot that finds no eligible expert (a row whose kept
+    groups hold fewer than K allowed experts) gets id -1 and weight 0; the remaining weights are renormalised as
+    the model would (LLaDA2) or left as probabilities (LLaDA-MoE). With every expert allowed this is exactly the
+    dense router (tested against `dblock.reference.llada.route_*`).
+    """
+    w, b = router_scores(logits_TE, bias_E, cfg)
+    K = cfg.num_experts_per_tok
+    b = b.masked_fill(~allowed_TE, NEG)
+    if cfg.score_function == "sigmoid":
+        b = b.masked_fill(~group_mask(b, cfg), NEG)
+    top_b, ids = b.topk(K, dim=-1)
+    valid = torch.isfinite(top_b)
+    wk = torch.where(valid, w.gather(1, ids), torch.zeros_like(top_b))
+    if cfg.score_function == "sigmoid":
+        if cfg.norm_topk_prob and K > 1:
+            wk = wk / (wk.sum(-1, keepdim=True) + 1e-20)
+        wk = wk * cfg.routed_scaling_factor
+    return torch.where(valid, ids, torch.full_like(ids, -1)), wk

@@ -1,0 +1,331 @@
+"""The Epoch executor (SPEC §4): a batched Forward over the reference model's own weight tensors (no copy).
+
+Contract: cache stable block structure; recompute every value that feeds a live decode decision.
+
+Per denoising call, for every in-flight block of every request (a *block plan* each):
+  * liveness: D_i from the segment's decoded rows; fresh set F_i (all rows on cold / refresh / fallback passes,
+    else every row but the stable decoded ones);
+  * per MoE layer: shared expert, attention, norms and residuals on all rows; the routed experts only on the fresh
+    rows of the whole batch, compacted into one buffer, routed with the model's rule restricted to the block's
+    expert support S_l, run through FreshLane; stable decoded rows take their cached routed output;
+  * the LM head only for live rows (the Forward protocol returns nothing else).
+Prefill and append passes write exact K/V for committed tokens, so they run the dense path.
+
+Configurations (SPEC §4.5): epoch (all on), full_compute (all experts, M_C = 1: exact), no_atlas, no_lsp, and
+dense (the reference executor itself). Faults fail closed: any cache doubt makes the layer fully fresh, an atlas
+failure makes the layer use all experts, both counted.
+
+Letter legend: B requests, L padded rows per request, T valid rows of the call, F fresh rows, E experts,
+K experts per token, H hidden, N rows of one block.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from dblock.forward import Forward, StepInput
+from dblock.optimized.atlas import build_support, candidates, route_restricted
+from dblock.optimized.freshlane import CommStats, LocalDispatcher, grouped_swiglu_torch
+from dblock.optimized.liveness import LayerCache
+from dblock.optimized.plan import BlockPlan, EpochConfig
+from dblock.reference.executor import KVCache, LladaReference, build_layout, stack_past
+
+
+@dataclass
+class Rows:
+    """Where every valid row of a call lives, and its block plan (all (T,) tensors)."""
+
+    flat: torch.Tensor          # index into the (B*L) padded rows
+    plan: torch.Tensor          # index into `plans`
+    row: torch.Tensor           # row inside its block's segment
+    token: torch.Tensor
+    decoded: torch.Tensor
+    fresh: torch.Tensor         # block-level fresh set F_i
+    plans: list                 # BlockPlan per plan index
+    plan_rows: list             # (n_p,) T-indices of each plan's rows, in row order
+
+
+class EpochExecutor(Forward):
+    name = "epoch"
+
+    def __init__(self, model, cfg: EpochConfig | None = None, dispatcher=None, audit: bool = False):
+        if model.config.family not in ("llada2_moe", "llada_moe"):
+            raise ValueError(f"the epoch executor runs the LLaDA families; {model.config.family} has no decoded "
+                             "positions before commit (uniform-state), use --executor reference")
+        self.model, self.config = model, model.config
+        self.ecfg = cfg or EpochConfig()
+        self.ap = self.ecfg.atlas_params.resolved(self.config.num_experts, self.config.num_experts_per_tok)
+        self.reference = LladaReference(model)
+        self.dispatcher = dispatcher or LocalDispatcher(self.config.num_experts)
+        self.plans: dict = {}
+        self.audit = [] if audit else None       # per (pass, block, layer) records for the equivalence suite
+        self.totals = Counter()                  # paths and fallbacks over the executor's life
+        self.age_hist = Counter()                # cache ages at read
+        self._last: dict = {}
+        self._pass = 0
+        if self.ecfg.use_triton:
+            from dblock.kernels import stack as triton_stack
+            self.kernels = triton_stack(self.config)
+        else:
+            self.kernels = None
+
+    @property
+    def device(self):
+        return self.model.embed.weight.device
+
+    # ---- Forward protocol ---------------------------------------------------------------------------------
+    def new_cache(self) -> KVCache:
+        return self.reference.new_cache()
+
+    def append(self, items: list[StepInput]) -> None:
+        self.reference.append(items)
+
+    def end_block(self, request, block) -> None:
+        self.plans.pop((request, block), None)
+
+    def end_request(self, request) -> None:
+        for key in [k for k in self.plans if k[0] == request]:
+            del self.plans[key]
+
+    def stats(self) -> dict:
+        return {"paths": dict(self.totals), "cache_age_hist": dict(sorted(self.age_hist.items())),
+                "open_plans": len(self.plans)}
+
+    def last_pass_stats(self) -> dict:
+        return self._last
+
+    # ---- planning -----------------------------------------------------------------------------------------
+    def _plan_rows(self, items: list[StepInput], L: int) -> Rows:
+        flat, plan_ix, row_ix, tok, dec = [], [], [], [], []
+        plans, plan_rows = [], []
+        T = 0
+        for b, it in enumerate(items):
+            off = 0
+            for s in it.segments:
+                n = len(s)
+                key = (it.request, s.block)
+                plan = self.plans.get(key)
+                if plan is None or plan.N != n:
+                    if plan is not None:                 # the block's shape changed: nothing of it survives
+                        self.totals["fallback:shape"] += 1
+                    plan = BlockPlan(it.request, s.block, n, self.config.num_hidden_layers)
+                    self.plans[key] = plan
+                plan.path = plan.liveness.plan_pass(s.decoded.cpu(), plan.passes, self.ecfg.refresh, self.ecfg.lsp)
+                if plan.path == "fallback":
+                    plan.invalidate()
+                    self.totals[f"fallback:{plan.liveness.reason}"] += 1
+                p = len(plans)
+                plans.append(plan)
+                plan_rows.append(torch.arange(T, T + n))
+                flat.append(b * L + off + torch.arange(n))
+                plan_ix.append(torch.full((n,), p))
+                row_ix.append(torch.arange(n))
+                tok.append(s.tokens.cpu())
+                dec.append(s.decoded.cpu())
+                off += n
+                T += n
+        fresh = torch.cat([plans[p].liveness.fresh for p in range(len(plans))])
+        return Rows(torch.cat(flat), torch.cat(plan_ix), torch.cat(row_ix), torch.cat(tok), torch.cat(dec), fresh,
+                    plans, plan_rows)
+
+    # ---- the MoE region -----------------------------------------------------------------------------------
+    def _moe(self, li: int, moe, xn: torch.Tensor, R: Rows) -> torch.Tensor:
+        B, L, H = xn.shape
+        xn_T = xn.reshape(B * L, H)[R.flat]                                  # (T, H)
+        T = xn_T.shape[0]
+        E = self.config.num_experts
+        fresh = R.fresh.clone()
+        layer_paths = Counter()
+        # 1) cache checks for rows the plan wants to serve; any doubt -> this layer of this block goes fresh
+        serve = []                                                           # (plan index, rows, ages)
+        for p, plan in enumerate(R.plans):
+            lp = plan.layer(li)
+            if lp.cache is None or lp.cache.values.shape[0] != plan.N:
+                lp.cache = LayerCache.empty(plan.N, H, xn.dtype, "cpu")
+            rows_T = R.plan_rows[p]
+            stale = rows_T[~fresh[rows_T]]
+            if stale.numel():
+                ok, why, ages = lp.cache.servable(R.row[stale], plan.passes, R.token[stale], plan.version,
+                                                  self.ecfg.refresh)
+                if "cache-newly-decoded" in self.ecfg.inject or "stale-cache" in self.ecfg.inject:
+                    ok, ages = True, plan.passes - lp.cache.written[R.row[stale]]
+                if ok:
+                    serve.append((p, stale, ages))
+                else:
+                    fresh[rows_T] = True
+                    lp.paths["fallback"] += 1
+                    self.totals[f"fallback:{why}"] += 1
+                    layer_paths["fallback"] += 1
+        # 2) expert supports: (re)build on cold / fallback / update passes from this pass's router scores
+        build = []
+        if self.ecfg.atlas:
+            for p, plan in enumerate(R.plans):
+                lp = plan.layer(li)
+                due = (lp.support is None and lp.built_at < 0) or plan.path in ("cold", "fallback") or \
+                    plan.passes - lp.built_at >= self.ap.update_every
+                if due:
+                    build.append(p)
+        need = fresh.clone()
+        for p in build:
+            need[R.plan_rows[p]] = True
+        logits_T = torch.zeros(T, E, dtype=torch.float32)
+        idx_need = need.nonzero(as_tuple=True)[0]
+        if idx_need.numel():
+            logits_T[idx_need] = moe.router_logits(xn_T[idx_need])
+        bias = moe.expert_bias
+        for p in build:
+            plan, rows_T = R.plans[p], R.plan_rows[p]
+            lp = plan.layer(li)
+            W, I, Rm = candidates(logits_T[rows_T], bias, self.config, self.ap.m)
+            res = build_support(W, I, Rm, E, self.ap)
+            lp.built_at, lp.support_ok, lp.under = plan.passes, res.success, res.under
+            lp.support = res.support if res.success else None               # fail closed: all experts
+            if not res.success:
+                self.totals["fallback:atlas"] += 1
+                lp.paths["fallback:atlas"] += 1
+            lp.paths["support_build"] += 1
+        # 3) path counters (one per layer per block per pass)
+        for p, plan in enumerate(R.plans):
+            lp = plan.layer(li)
+            if plan.path == "hot":
+                path = "hot-update" if p in build else "hot-skip"
+            else:
+                path = plan.path
+            lp.paths[path] += 1
+            layer_paths[path] += 1
+        # 4) compact the fresh rows of the whole batch and route them within their block's support
+        idx_F = fresh.nonzero(as_tuple=True)[0]                              # (F,)
+        x_F = xn_T[idx_F]                                                    # (F, H)
+        allowed = torch.ones(idx_F.numel(), E, dtype=torch.bool)
+        support_sizes = []
+        for p, plan in enumerate(R.plans):
+            sup = plan.layer(li).support
+            support_sizes.append(E if sup is None else int(sup.sum()))
+            if sup is not None and "route-outside-support" not in self.ecfg.inject:
+                allowed[R.plan[idx_F] == p] = sup
+        ids, w = route_restricted(logits_T[idx_F], bias, self.config, allowed)
+        # 5) FreshLane: experts over the short worklist
+        experts = self._experts(moe)
+        y_F, comm = self.dispatcher.run(x_F, ids, w, experts)
+        # 6) merge: fresh rows from the experts, stable decoded rows from the cache; write decoded fresh rows
+        y_T = torch.zeros(T, H, dtype=xn.dtype)
+        y_T[idx_F] = y_F.to(xn.dtype)
+        served = 0
+        for p, rows_T, ages in serve:
+            if fresh[rows_T].any():     # the layer fell back after all
+                continue
+            lp = R.plans[p].layer(li)
+            y_T[rows_T] = lp.cache.values[R.row[rows_T]]
+            served += rows_T.numel()
+            self.age_hist.update(ages.tolist())
+        for p, plan in enumerate(R.plans):
+            rows_T = R.plan_rows[p]
+            wr = rows_T[fresh[rows_T] & R.decoded[rows_T]]
+            if "cache-newly-decoded" in self.ecfg.inject:   # deliberately wrong: also cache live rows
+                wr = rows_T[fresh[rows_T]]
+            if wr.numel():
+                pos_in_F = torch.searchsorted(idx_F, wr)
+                plan.layer(li).cache.write(R.row[wr], y_F[pos_in_F], plan.passes, R.token[wr], plan.version)
+        if self.audit is not None:
+            self._audit(li, R, fresh, serve, idx_F, ids)
+        if moe.shared is not None:
+            y_T = y_T + moe.shared(xn_T)
+        out = torch.zeros(B * L, H, dtype=xn.dtype)
+        out[R.flat] = y_T
+        self._layer_stats.append({"layer": li, "fresh": int(idx_F.numel()), "cached": served,
+                                  "support": sum(support_sizes) / max(1, len(support_sizes)),
+                                  "paths": dict(layer_paths), "pairs": int((ids >= 0).sum())})
+        self._comm.add(comm)
+        return out.view(B, L, H)
+
+    def _experts(self, moe):
+        if self.kernels is not None:
+            return lambda x, ids, w: self.kernels.grouped_swiglu(x, ids, w, moe.w_gate, moe.w_up, moe.w_down)
+        return lambda x, ids, w: grouped_swiglu_torch(x, ids, w, moe.w_gate, moe.w_up, moe.w_down)
+
+    def _audit(self, li, R: Rows, fresh, serve, idx_F, ids) -> None:
+        served = {p: (rows, ages) for p, rows, ages in serve if not fresh[rows].any()}
+        for p, plan in enumerate(R.plans):
+            rows_T = R.plan_rows[p]
+            in_plan = R.plan[idx_F] == p
+            sup = plan.layer(li).support
+            chosen = ids[in_plan]
+            outside = 0 if sup is None else int((~sup[chosen.clamp(min=0)] & (chosen >= 0)).sum())
+            srv = served.get(p)
+            self.audit.append({
+                "pass": self._pass, "request": plan.request, "block": plan.block, "plan_pass": plan.passes,
+                "layer": li, "path": plan.path, "N": plan.N,
+                "fresh": int(fresh[rows_T].sum()),
+                "served_rows": [] if srv is None else R.row[srv[0]].tolist(),
+                "served_ages": [] if srv is None else srv[1].tolist(),
+                "newly_decoded": plan.liveness.newly.nonzero(as_tuple=True)[0].tolist(),
+                "decoded": R.decoded[rows_T].nonzero(as_tuple=True)[0].tolist(),
+                "support": None if sup is None else sup.nonzero(as_tuple=True)[0].tolist(),
+                "support_ok": plan.layer(li).support_ok, "under": plan.layer(li).under,
+                "routed_outside_support": outside, "refresh": self.ecfg.refresh,
+            })
+
+    # ---- the denoising call -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def denoise(self, items: list[StepInput]) -> list[list[torch.Tensor]]:
+        t0 = time.perf_counter()
+        model = self.model
+        tokens, positions, mask, valid, lens, cache_lens = build_layout(items, self.device)
+        B, L = tokens.shape
+        past = stack_past(items, self.config.num_hidden_layers, mask.shape[2] - L)
+        R = self._plan_rows(items, L)
+        self._layer_stats, self._comm, moe_s = [], CommStats(), 0.0
+        x = model.embed(tokens)                                              # (B, L, H)
+        for li, layer in enumerate(model.layers):
+            pk, pv = past[li] if past is not None else (None, None)
+            a, _, _ = layer.attn(layer.attn_norm(x), positions, mask, pk, pv)
+            h = x + a
+            if not layer.is_moe:
+                x = h + layer.mlp(layer.mlp_norm(h))
+                continue
+            tm = time.perf_counter()
+            x = h + self._moe(li, layer.mlp, layer.mlp_norm(h), R)
+            moe_s += time.perf_counter() - tm
+        out = []
+        skip = "skip-live-logits" in self.ecfg.inject
+        for b, it in enumerate(items):
+            per_seg, off = [], 0
+            for s in it.segments:
+                live = s.live.to(x.device)
+                if skip and live.any():      # deliberately wrong: drop the first live row's LM head
+                    live = live.clone()
+                    live[live.nonzero()[0, 0]] = False
+                per_seg.append(model.logits(x[b, off:off + len(s)][live]))
+                off += len(s)
+            out.append(per_seg)
+        for plan in R.plans:
+            plan.passes += 1
+        n_moe = max(1, len(self._layer_stats))
+        self._last = {
+            "moe_s": moe_s, "executor_s": time.perf_counter() - t0,
+            "fresh": sum(s["fresh"] for s in self._layer_stats) / n_moe,
+            "layers": self._layer_stats,
+            "comm": {"dispatch_rows": self._comm.dispatch_rows, "dispatch_bytes": self._comm.dispatch_bytes,
+                     "combine_bytes": self._comm.combine_bytes, "messages": self._comm.messages},
+        }
+        for s in self._layer_stats:
+            self.totals.update(s["paths"])
+        self._pass += 1
+        return out
+
+
+def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, atlas_q=None, update_every=None,
+                  use_triton: bool = False, dispatcher=None, audit: bool = False, inject=()) -> Forward:
+    """The optimized executor in one of its configurations over `model`'s weights (`dense` = the reference)."""
+    if config == "dense":
+        if use_triton:
+            raise ValueError("--use-triton applies to the epoch configurations, not dense")
+        from dblock.reference.generate import reference_forward
+        return reference_forward(model)
+    cfg = EpochConfig.named(config, refresh=refresh, alpha=atlas_alpha, q=atlas_q, update_every=update_every)
+    cfg.use_triton = use_triton
+    cfg.inject = frozenset(inject)
+    return EpochExecutor(model, cfg, dispatcher=dispatcher, audit=audit)
