@@ -255,6 +255,9 @@ def _room_modules():
 def build_parser():
     ap = argparse.ArgumentParser(prog="dblock", description="Block-diffusion MoE LMs: reference and Epoch "
                                  "executors, One Block Ahead schedules, equivalence suite, simulator.")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("DBLOCK_THREADS", "1")),
+                    help="CPU intra-op threads for torch (default 1, or $DBLOCK_THREADS: the bundled models are "
+                         "tiny, and extra threads only spin on a busy machine; raise it for real checkpoints)")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     runners = {}
     for name, (help_, add, run) in COMMANDS.items():
@@ -275,6 +278,11 @@ def main(argv=None) -> int:
     if not args.command:
         ap.print_help()
         return 2
+    if args.threads < 1:
+        print(f"dblock: error: --threads {args.threads}: must be >= 1", file=sys.stderr)
+        return 2
+    import torch
+    torch.set_num_threads(args.threads)
     try:
         return args._runners[args.command](args) or 0
     except KeyboardInterrupt:

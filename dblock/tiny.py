@@ -59,7 +59,7 @@ def init_llada(model, seed: int, std: float = 0.02, head_std: float = 3.0) -> No
 def make_tiny_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     if family == "diffusion_gemma":
         from dblock.reference.gemma import make_tiny_gemma
-        return make_tiny_gemma(seed=seed, **overrides)
+        return make_tiny_gemma(seed=seed, dtype=dtype, **overrides)
     from dblock.reference.llada import LladaModel
     model = LladaModel(tiny_config(family, **overrides))
     init_llada(model, seed)

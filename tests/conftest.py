@@ -23,7 +23,9 @@ def tol(dtype):
 
 
 def pytest_configure(config):
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # One intra-op thread: the tests are many small ops, and on a busy 2-core machine a second thread makes ops
+    # such as index_add_ orders of magnitude slower (spin-waiting on a core someone else holds).
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

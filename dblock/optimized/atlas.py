@@ -128,7 +128,7 @@ def build_support(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, E: int, p: 
         score = (H + p.beta * G).masked_fill(S, NEG)
         score = score.masked_fill(score <= 0, NEG)
         n_pos = int(torch.isfinite(score).sum())
-        if n_pos == 0:
+        if n_pos == 0 or p.c <= 0:                                   # no expert can help: fail closed
             return SupportResult(S, False, int(U.sum()), rounds)
         S[score.topk(min(p.c, n_pos)).indices] = True
         rounds += 1
@@ -159,7 +159,8 @@ def route_restricted(logits_TE: torch.Tensor, bias_E, cfg, allowed_TE: torch.Ten
         b = b.masked_fill(~group_mask(b, cfg), NEG)
     top_b, ids = b.topk(K, dim=-1)
     valid = torch.isfinite(top_b)
-    wk = torch.where(valid, w.gather(1, ids), torch.zeros_like(top_b))
+    wg = w.gather(1, ids)
+    wk = torch.where(valid, wg, torch.zeros_like(wg))
     if cfg.score_function == "sigmoid":
         if cfg.norm_topk_prob and K > 1:
             wk = wk / (wk.sum(-1, keepdim=True) + 1e-20)

@@ -41,9 +41,11 @@ def grouped_swiglu_torch(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.T
                          w_down_EHI) -> torch.Tensor:
     """Σ_k w[f,k] · down_e(silu(gate_e x_f) · up_e x_f), e = ids[f,k]; slots with id -1 contribute nothing.
 
-    One pass per expert that has rows (invalid slots load no weights). Accumulates in fp32, returns x's dtype.
+    One pass per expert that has rows (invalid slots load no weights). Accumulates in fp32 (fp64 for fp64
+    inputs), returns x's dtype.
     """
-    out = torch.zeros(x_FH.shape, dtype=torch.float32, device=x_FH.device)
+    acc = torch.promote_types(x_FH.dtype, torch.float32)                 # fp32, or fp64 for fp64 references
+    out = torch.zeros(x_FH.shape, dtype=acc, device=x_FH.device)
     if x_FH.shape[0] == 0:
         return out.to(x_FH.dtype)
     row_P, slot_P, counts = sort_by_expert(ids_FK)
@@ -55,7 +57,7 @@ def grouped_swiglu_torch(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.T
         start += n
         xe = x_FH[rows]
         ye = F_.linear(F_.silu(F_.linear(xe, w_gate_EIH[e])) * F_.linear(xe, w_up_EIH[e]), w_down_EHI[e])
-        out.index_add_(0, rows, ye.float() * w_FK[rows, slots, None])
+        out.index_add_(0, rows, ye.to(acc) * w_FK[rows, slots, None])
     return out.to(x_FH.dtype)
 
 

@@ -18,18 +18,21 @@ from typing import Optional
 import torch
 
 
+EMPTY = -(2 ** 62)  # `written` of an entry that was never written
+
+
 @dataclass
 class LayerCache:
     """Decoded-output cache of one (block, MoE layer)."""
 
     values: torch.Tensor        # (N, H) routed-expert outputs
-    written: torch.Tensor       # (N,) int64 pass index at write, -1 = empty
+    written: torch.Tensor       # (N,) int64 pass index at write, EMPTY = never written
     token: torch.Tensor         # (N,) int64 token the row held when written
     version: torch.Tensor       # (N,) int64 plan version at write
 
     @classmethod
     def empty(cls, N: int, H: int, dtype, device) -> "LayerCache":
-        return cls(torch.zeros(N, H, dtype=dtype, device=device), torch.full((N,), -1, dtype=torch.long),
+        return cls(torch.zeros(N, H, dtype=dtype, device=device), torch.full((N,), EMPTY, dtype=torch.long),
                    torch.full((N,), -1, dtype=torch.long), torch.full((N,), -1, dtype=torch.long))
 
     def write(self, rows: torch.Tensor, values: torch.Tensor, pass_index: int, tokens: torch.Tensor,
@@ -44,7 +47,7 @@ class LayerCache:
         if rows.numel() == 0:
             return True, "", torch.zeros(0, dtype=torch.long)
         w = self.written[rows]
-        if (w < 0).any():
+        if (w == EMPTY).any():
             return False, "miss", None
         if (self.version[rows] != version).any():
             return False, "version", None

@@ -48,7 +48,21 @@ class GenerateResult:
             "TPS": Y / t.den_s if t.den_s else 0.0,
             "wall_TPS": Y / t.wall_s if t.wall_s else 0.0,
             "wall_s": t.wall_s,
+            **self._transformers_tpf(),
         }
+
+    def _transformers_tpf(self) -> dict:
+        """DiffusionGemma only: transformers' own TPF (non-pad tokens of committed canvases / denoising passes)
+        beside ours, so users can compare with `model.generate` outputs."""
+        if not self.runs or self.runs[0].cfg.family != "diffusion_gemma":
+            return {}
+        from dblock.reference.gemma_sampler import transformers_tpf
+        pad = self.runs[0].cfg.pad_token_id
+        tokens = sum(len(r.generated) if pad is None else sum(1 for t in r.generated if t != pad) for r in self.runs)
+        F = sum(r.counters.F for r in self.runs)
+        return {"TPF_transformers": tokens / F if F else 0.0,
+                "TPF_transformers_per_request": [transformers_tpf(r.generated, r.counters.F, pad)
+                                                 for r in self.runs]}
 
 
 def as_requests(prompts: Sequence, max_new_tokens: int, seed: int = 0, seeds: Optional[Sequence[int]] = None):

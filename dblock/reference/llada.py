@@ -181,10 +181,11 @@ class MoE(nn.Module):
 
     def routed(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         """Sum over k of w[t,k] * Expert[ids[t,k]](x[t]): one pass per expert over the tokens that chose it."""
-        out = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+        acc = torch.promote_types(x_TH.dtype, torch.float32)              # fp32, or fp64 for fp64 references
+        out = torch.zeros(x_TH.shape, dtype=acc, device=x_TH.device)
         for e in ids_TK.unique().tolist():
             tok, slot = (ids_TK == e).nonzero(as_tuple=True)
-            y = self.expert(e, x_TH[tok]).float() * w_TK[tok, slot, None]
+            y = self.expert(e, x_TH[tok]).to(acc) * w_TK[tok, slot, None]
             out.index_add_(0, tok, y)
         return out.to(x_TH.dtype)
 
@@ -242,5 +243,6 @@ class LladaModel(nn.Module):
         return x, new_kv
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head, returned in fp32 (decisions are made in fp32)."""
-        return self.lm_head(self.norm(hidden)).float()
+        """Final norm + LM head, returned in fp32 (decisions are made in fp32; fp64 models keep fp64)."""
+        z = self.lm_head(self.norm(hidden))
+        return z.to(torch.promote_types(z.dtype, torch.float32))

@@ -237,6 +237,7 @@ class RequestRun:
                              + ("every pass already recomputes the sequence)" if self.layout == "fullseq"
                                 else "the encoder/decoder split always caches the prefix)"))
         self.recompute = dec.no_cache or self.layout == "fullseq"
+        self._eos_ids = set(getattr(cfg, "eos_token_ids", None) or (cfg.eos_token_id,))
         self.end = self.P + req.max_new_tokens                 # generation region [P, end)
         if self.layout == "grid":
             self.first_block = self.P // self.C
@@ -388,7 +389,7 @@ class RequestRun:
         eos = False
         for t in gen_rows[:budget]:
             valid += 1
-            if t == self.cfg.eos_token_id:
+            if t in self._eos_ids:
                 eos = True
                 break
         self.generated.extend(gen_rows)
@@ -423,7 +424,7 @@ class RequestRun:
         out = []
         for t in self.generated[: self.req.max_new_tokens]:
             out.append(t)
-            if t == self.cfg.eos_token_id:
+            if t in self._eos_ids:
                 break
         return out
 

@@ -25,7 +25,8 @@ Shapes (per layer; N = rows in the pass, H hidden, D head dim, nH/nKV heads, E e
     dense FFN               6·N·H·I_dense / tp
     router                  2·N·H·E / sp (fp32 scores), routing stream N·E·4·3 / sp
     MoE pairs               P = N_moe·K, N_moe = N (dense) or fresh rows (Epoch LSP)
-    experts touched         S·(1 − (1 − 1/S)^P) of the eligible S = support_frac·E; rows per expert m = P / touched
+    experts touched         S·(1 − (1 − K/S)^N_moe) of the eligible S = support_frac·E (uniform routing, K distinct
+                            experts per token); rows per expert m = P / touched
     expert GEMMs            6·H·I·max(m, knee)·touched / ep FLOPs (tile padding below the knee), weights
                             3·H·I·bytes·touched / ep
     dispatch/combine        per direction N_moe/sp · ranks_per_token · (ep − 1)/ep · H · bytes, ranks_per_token =
@@ -44,7 +45,6 @@ sampler) and the dense MoE dispatch buffers.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 
 from dblock.config import ModelConfig, llada_config_from_dict
@@ -80,14 +80,17 @@ def get_model(name_or_path: str) -> ModelConfig:
     """A named model (llada2-mini, llada-moe-7b) or a folder / config.json read with dblock.config.load_config."""
     if name_or_path in MODELS:
         return MODELS[name_or_path]()
-    from dblock.config import load_config
     import os
+    from dblock.config import family_of, read_json
     if not os.path.exists(name_or_path):
         raise ValueError(f"model {name_or_path!r}: not a known name ({', '.join(MODELS)}) nor a path")
-    cfg = load_config(name_or_path)
-    if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"model {name_or_path!r}: the cost model covers the LLaDA families only")
-    return cfg
+    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
+    d = read_json(path)
+    # checked before building: load_config would import the Gemma reference model, which the simulator must not
+    if family_of(d, path) == "diffusion_gemma":
+        raise ValueError(f"model {name_or_path!r}: the cost model covers the LLaDA families only (diffusion_gemma "
+                         "is not modelled yet)")
+    return llada_config_from_dict(d, path)
 
 
 @dataclass(frozen=True)
@@ -244,7 +247,8 @@ def pass_cost(cfg: ModelConfig, shape: PassShape, hw: Hardware, par: Parallel = 
     n_fresh = (inflight + prefix_rows) * (shape.fresh_frac if epoch else 1.0) + shape.extra_rows
     P = n_fresh * K                                          # routed (token, expert) pairs in the replica
     S = max(K, shape.support_frac * E) if epoch else E       # eligible experts
-    touched = S * (1.0 - (1.0 - 1.0 / S) ** P) if P > 0 else 0.0
+    # each token picks K distinct experts: an expert is missed by one token with probability 1 − K/S
+    touched = S * (1.0 - (1.0 - min(1.0, K / S)) ** n_fresh) if P > 0 else 0.0
     m = P / touched if touched else 0.0
     knee = hw.eff.gemm_knee_rows
     t_router = _roof(2 * N * H * E / sp, (E * H * 4) + N * E * 4 * 3 / sp, hw, dtype)
@@ -323,6 +327,20 @@ def weight_bytes(cfg: ModelConfig, par: Parallel = Parallel(), wbytes: float = 2
     experts = nm * cfg.num_experts * 3 * H * cfg.moe_intermediate_size
     router = nm * cfg.num_experts * H * 2  # fp32 router weights (stored as 2 bf16-sized words)
     return ((attn + dense + shared + emb) / par.tp + experts / par.ep + router) * wbytes
+
+
+def param_counts(cfg: ModelConfig) -> dict:
+    """Total and per-token active parameters (embeddings and LM head included), for checking a config against a
+    model card (LLaDA2.0-mini: 16B total, 1.4B active)."""
+    H, D, nH, nKV = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    L = cfg.num_hidden_layers
+    nm = len(cfg.moe_layers)
+    expert = 3 * H * cfg.moe_intermediate_size
+    common = (L * (H * (nH + 2 * nKV) * D + nH * D * H) + (L - nm) * 3 * H * cfg.intermediate_size
+              + nm * (cfg.num_shared_experts * expert + cfg.num_experts * H) + 2 * cfg.vocab_size * H)
+    active = common + nm * cfg.num_experts_per_tok * expert
+    return dict(total=common + nm * cfg.num_experts * expert, active=active,
+                active_non_embedding=active - 2 * cfg.vocab_size * H)
 
 
 def memory(cfg: ModelConfig, shape: PassShape, hw: Hardware, par: Parallel = Parallel(), max_context: int = 4096,

@@ -56,10 +56,11 @@ class Hardware:
     source: str = ""
 
     def flops(self, dtype: str = "bf16") -> float:
-        v = {"bf16": self.bf16_flops, "fp16": self.bf16_flops, "fp8": self.fp8_flops, "fp4": self.fp4_flops}.get(dtype)
+        rates = {"bf16": self.bf16_flops, "fp16": self.bf16_flops, "fp8": self.fp8_flops, "fp4": self.fp4_flops}
+        v = rates.get(dtype)
         if v is None:
-            raise ValueError(f"{self.name}: no {dtype} tensor rate (allowed: "
-                             f"{', '.join(k for k, x in (('bf16', 1), ('fp8', self.fp8_flops), ('fp4', self.fp4_flops)) if x)})")
+            have = ", ".join(k for k, x in rates.items() if x)
+            raise ValueError(f"{self.name}: no {dtype} tensor rate (allowed: {have})")
         return v
 
     def with_efficiency(self, **kw) -> "Hardware":

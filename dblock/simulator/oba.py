@@ -139,6 +139,10 @@ def fit_alpha(F: float, K: float, R: float, nbar: float) -> float:
             raise ValueError(f"fit_alpha: {name}={v} must be positive")
     if K < R:
         raise ValueError(f"fit_alpha: K={K} blocks < R={R} responses (every response has at least one block)")
+    if K == R:
+        # Eq. (6) becomes F = n̄R(1+2α)/(1+α)², tangent to F = n̄R at α = 0: one-block responses carry no α
+        raise ValueError(f"fit_alpha(F={F}, K={K}, R={R}, nbar={nbar}): no single root on [-1/2, 1) "
+                         "(every response has one block, so no block was ever promoted)")
     return _solve_single_root(lambda a: expected_passes(nbar, a, K, R) - F,
                               f"fit_alpha(F={F}, K={K}, R={R}, nbar={nbar})")
 

@@ -39,9 +39,12 @@ def break_even_map(points: list[dict], path: str):
     r = np.linspace(min(0.95, min(rs) - 0.05), max(rs) + 0.1, 50)
     ax.plot(r, r - 1, "k--", label="break-even α = r − 1")
     ax.fill_between(r, r - 1, 1.0, color="tab:green", alpha=0.08, label="pays")
+    merged: dict = {}   # schedules at the same (r, α) share one point and one label
     for p in points:
-        ax.plot(p["r"], p["alpha"], "o", c="tab:green" if p["alpha"] > p["r"] - 1 else "tab:red")
-        ax.annotate(p["name"], (p["r"], p["alpha"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        merged.setdefault((p["r"], p["alpha"]), []).append(p["name"])
+    for (r_, a_), names in merged.items():
+        ax.plot(r_, a_, "o", c="tab:green" if a_ > r_ - 1 else "tab:red")
+        ax.annotate(" / ".join(names), (r_, a_), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("r (pass cost over Native)")
     ax.set_ylabel("α (passes saved per warm-up step)")
     ax.set_ylim(-0.05, 1.0)

@@ -335,20 +335,22 @@ def predict_alpha(model: PositionModel, schedule: str, blocks_per_response: Dist
         ks = [max(1, int(round(kdist.sample(rng)))) for _ in range(responses)]
     else:
         ks = [int(k) for k in blocks_per_response]
-    F = 0.0
+    F = F_native = 0.0
     saved, steps, pred_passes, paired = 0.0, 0, 0.0, 0.0
     for i, K in enumerate(ks):
         chain = simulate_chain(model, schedule, K, np.random.default_rng([seed, i]), gamma=gamma)
         native = simulate_chain(model, "native", K, np.random.default_rng([seed, i]), gamma=gamma)
         for k, (b, nb) in enumerate(zip(chain, native)):
             F += b.passes
+            F_native += nb.passes
             paired += paired_passes(b, schedule, gamma)
             if k > 0:
                 saved += nb.need - b.need
                 steps += b.warmup_steps
                 pred_passes += chain[k - 1].passes
     K_tot, R = sum(ks), len(ks)
-    nbar = model.profile.nbar
+    # n̄ from the Native run of the very same blocks (common random numbers): no sampling noise in the fit
+    nbar = F_native / K_tot
     try:
         alpha = oba.fit_alpha(F, K_tot, R, nbar)
     except ValueError:
@@ -369,11 +371,30 @@ def calibrate_delta(profile: Profile, schedule: str, alpha_measured: float, bloc
         m = PositionModel(profile, delta=d, discount=discount, policy=policy, integer=False)
         return predict_alpha(m, schedule, blocks_per_response, responses, gamma, seed).alpha - alpha_measured
 
-    lo, hi = f(0.0), f(delta_max)
-    if not (lo <= 0 <= hi):
-        raise ValueError(f"calibrate_delta: alpha={alpha_measured} is outside what delta in [0, {delta_max}] gives "
-                         f"on this profile ({lo + alpha_measured:.3f} .. {hi + alpha_measured:.3f})")
-    return float(brentq(f, 0.0, delta_max, xtol=1e-4))
+    # scan for a bracket: past some δ the implied α leaves [−1/2, 1) and Eq. (6) has no root (NaN)
+    prev_d, prev_v = 0.0, f(0.0)
+    if prev_v > 0:
+        raise ValueError(f"calibrate_delta: alpha={alpha_measured} is below what delta = 0 gives on this profile "
+                         f"({prev_v + alpha_measured:.3f})")
+    for d in np.linspace(0.0, delta_max, 17)[1:]:
+        v = f(float(d))
+        if math.isnan(v) or v >= 0:
+            if math.isnan(v):   # refine towards the last finite point
+                lo_, hi_ = prev_d, float(d)
+                for _ in range(20):
+                    mid = (lo_ + hi_) / 2
+                    vm = f(mid)
+                    if math.isnan(vm):
+                        hi_ = mid
+                    elif vm >= 0:
+                        return float(brentq(f, prev_d, mid, xtol=1e-4))
+                    else:
+                        lo_, prev_d = mid, mid
+                break
+            return float(brentq(f, prev_d, float(d), xtol=1e-4))
+        prev_d, prev_v = float(d), v
+    raise ValueError(f"calibrate_delta: alpha={alpha_measured} is above what delta in [0, {delta_max}] gives on "
+                     "this profile")
 
 
 def gamma_for_paired_fraction(model: PositionModel, target: float, blocks_per_response="const:8",

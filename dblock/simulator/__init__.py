@@ -1,0 +1,15 @@
+"""dblock.simulator — capacity planning for block-diffusion MoE decoding, without a model or a GPU.
+
+oba.py        closed forms of One Block Ahead (Eq. 2-6): fixed point, transient, break-even, alpha fit
+positions.py  position-level model: predict alpha of a schedule from Native runs (warm-up rate delta)
+decoding.py   SimPy model of Native / OBA / FlowBlock decoding for a population of requests (+ synthetic traces)
+hardware.py   GPU datasheet profiles, efficiency factors, a measured `cpu` profile
+cost.py       roofline cost of one pass (attention, MoE, LM head, collectives) and memory / OOM
+liveness.py   live / fresh shares of a block's rows pass by pass (Epoch LSP)
+serving.py    SimPy serving model: arrivals, admission, batched iterations, P95 ITL, SLO search
+calibrate.py  fit profiles, alpha, r and a cost scale from executor traces; predict held-out runs
+papers.py     the model against the One Block Ahead and Epoch papers
+cli.py        `dblock simulate ...`
+
+It imports only dblock.config, dblock.trace and scientific libraries, never a model or an executor.
+"""

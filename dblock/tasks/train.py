@@ -1,0 +1,461 @@
+"""Train the tiny bundled models on CPU with their family's real objective (`dblock train-tiny`).
+
+llada2_moe (masked block diffusion, LLaDA2 SFT + BD3-LM training):
+
+  data     one example = prompt + answer + <eos>, the prompt at absolute position 0, then <eos> padding up to the
+           batch length (a multiple of the block size C, >= the longest example of the batch). The padding is
+           trained like any answer token (LLaDA SFT), so the model learns to emit <eos> and to fill the rest of
+           the block with it; decoding stops at the first block holding an <eos>.
+  noise    per example t ~ U(0,1) (stratified across the batch: t_i = (u + i)/B, MDLM's low-discrepancy sampler),
+           p = (1 - eps) t + eps, every non-prompt token replaced by MASK iid with probability p. Prompt positions
+           are never masked (they are fixed rows of the first block at inference too).
+  loss     per example sum over masked positions of CE / p, divided by the example's answer-region length
+           (answer + <eos> + padding), averaged over the batch -- LLaDA's SFT normalisation
+           (shared/reference/model-spec-llada-moe.md section 3).
+  mask     BD3-LM: one forward over [x_t ; x_0] (2L rows, positions [0..L-1, 0..L-1]) with `bd3_mask`: a noisy
+           block b sees itself and the clean blocks < b, a clean block b sees the clean blocks <= b. The block
+           grid is on ABSOLUTE positions and the prompt shares the first block, exactly the llada2 grid layout
+           of `dblock.reference.schedules`, so decoding with the exact KV cache (clean blocks appended
+           block-causally, the current block bidirectional) is in distribution. Loss on the noisy half only.
+  routing  aux-loss-free load balancing (DeepSeek-V3): after each optimizer step, per MoE layer,
+           expert_bias_e += u * sign(mean_load - load_e), loads counted from `taps["topk_ids"]` over every row
+           of the step's forward (both halves).
+
+Determinism: the examples and the noise of step s are pure functions of (seed, s) (examples come from the task's
+hash-seeded train stream, noise from a torch.Generator seeded with (seed, s)), so the same seed and the same number
+of steps give bit-identical weights, and a run resumed from a checkpoint equals the uninterrupted run.
+Checkpoints (`DIR/train_state.pt`: model, optimizer, step, RNG, history) are written every `save_every` steps and
+at the end; the HF folder (config.json, model.safetensors, tokenizer.json) is written at the end.
+
+Time budget: `--minutes N` without `--steps` times the first `calibrate_steps` steps and fixes the total number of
+steps so the run fits N minutes (the cosine schedule needs a known length); the summary prints the equivalent
+`--steps` command that reproduces the run bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from dblock.config import ModelConfig
+from dblock.tasks import CharTokenizer, get_task
+
+STATE_FILE = "train_state.pt"
+SUMMARY_FILE = "train_summary.json"
+
+# Model sizes. "small" is the bundled tiny-masked model; "micro" is for tests (seconds per step on CPU).
+LLADA2_SIZES = {
+    "small": dict(hidden_size=160, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
+                  intermediate_size=320, moe_intermediate_size=80, num_experts=16, num_experts_per_tok=4,
+                  num_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2),
+    "base": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 intermediate_size=256, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
+                 num_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2),
+    "micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                  intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                  num_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2),
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything that determines a run (stored in the checkpoint; a resumed run uses the stored values)."""
+
+    family: str = "llada2_moe"
+    out: str = ""
+    size: str = "base"               # key of LLADA2_SIZES
+    task: str = "arith"              # a `get_task` name
+    add_digits: Optional[tuple] = None  # ArithTask size ranges (None: the task's defaults)
+    rev_len: Optional[tuple] = None
+    block_size: int = 16
+    seed: int = 0
+    steps: Optional[int] = None      # total optimizer steps (None: fixed from --minutes after calibration)
+    minutes: Optional[float] = None  # wall budget used to choose `steps`
+    calibrate_steps: int = 30       # steps timed (after 5 warm ones) to turn --minutes into --steps
+    batch_size: int = 32
+    lr: float = 2e-3
+    min_lr_frac: float = 0.05        # cosine decays to lr * min_lr_frac
+    warmup: int = 100
+    weight_decay: float = 0.05       # on matrices only (not norms, embeddings or the expert bias)
+    grad_clip: float = 1.0
+    eps: float = 1e-3                # p = (1 - eps) t + eps
+    bias_update: float = 1e-3        # u of the aux-loss-free expert-bias update (0 disables it)
+    length_chunk: int = 8            # batches of a chunk of this many steps are formed from examples sorted by length
+    save_every: int = 200
+    log_every: int = 10
+    threads: int = 1                 # 1: on the shared 2-core box 2 threads ran 4x slower (oversubscription)
+    progress: bool = True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------------------------------------------
+
+def llada2_config(size: str = "base", block_size: int = 16, tokenizer: Optional[CharTokenizer] = None) -> ModelConfig:
+    """A small llada2_moe config over the character tokenizer: every structural feature of LLaDA2.0 (GQA, partial
+    rotary 0.5, QK-norm, a dense first layer, sigmoid group-limited routing with an expert bias, a shared expert)."""
+    if size not in LLADA2_SIZES:
+        raise ValueError(f"--size {size!r}: allowed {', '.join(LLADA2_SIZES)}")
+    tok = tokenizer or CharTokenizer()
+    return ModelConfig(
+        family="llada2_moe", model_type="llada2_moe", vocab_size=tok.vocab_size, **LLADA2_SIZES[size],
+        routed_scaling_factor=2.5, score_function="sigmoid", use_expert_bias=True, norm_topk_prob=True,
+        partial_rotary_factor=0.5, rope_theta=10000.0, use_qk_norm=True, rms_norm_eps=1e-6,
+        mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id, block_size=block_size,
+        max_position_embeddings=4096,
+    ).validate("train-tiny config")
+
+
+def init_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """GPT-2 style init, deterministic in `seed`: N(0, std) matrices and embeddings, output projections (attention
+    `wo`, MLP/expert `down`) scaled by 1/sqrt(2 n_layers), norms 1, expert bias 0."""
+    g = torch.Generator().manual_seed(seed)
+    n_layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            s = std
+            if name.endswith(("wo.weight", "down.weight", "w_down")):
+                s = std / math.sqrt(2 * n_layers)
+            p.copy_(torch.randn(p.shape, generator=g) * s)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias") and b is not None:
+                b.zero_()
+
+
+def build_model(cfg: TrainConfig) -> torch.nn.Module:
+    from dblock.reference.llada import LladaModel
+    model = LladaModel(llada2_config(cfg.size, cfg.block_size))
+    init_weights(model, cfg.seed)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the BD3-LM training mask and the data
+# ---------------------------------------------------------------------------------------------------------------
+
+def bd3_mask(L: int, C: int) -> torch.Tensor:
+    """(2L, 2L) bool attention mask over [x_t ; x_0] (rows = queries, cols = keys), blocks of C on positions 0..L-1.
+
+    allowed(q, k) = (same half and same block)
+                  | (q noisy, k clean, block(k) <  block(q))
+                  | (q clean, k clean, block(k) <= block(q))
+    Worked example, L = 4, C = 2 (n = noisy, c = clean; blocks n0 n0 n1 n1 | c0 c0 c1 c1):
+        n0: 1 1 0 0 | 0 0 0 0      n1: 0 0 1 1 | 1 1 0 0
+        c0: 0 0 0 0 | 1 1 0 0      c1: 0 0 0 0 | 1 1 1 1
+    """
+    if L % C:
+        raise ValueError(f"sequence length {L} is not a multiple of the block size {C}")
+    idx = torch.arange(2 * L)
+    half = idx // L                                   # 0 noisy, 1 clean
+    blk = (idx % L) // C
+    hq, hk = half[:, None], half[None, :]
+    bq, bk = blk[:, None], blk[None, :]
+    same = (hq == hk) & (bq == bk)
+    noisy_to_clean = (hq == 0) & (hk == 1) & (bk < bq)
+    clean_to_clean = (hq == 1) & (hk == 1) & (bk <= bq)
+    return same | noisy_to_clean | clean_to_clean
+
+
+def make_task(cfg: TrainConfig):
+    kw = {}
+    if cfg.add_digits:
+        kw["add_digits"] = tuple(cfg.add_digits)
+    if cfg.rev_len:
+        kw["rev_len"] = tuple(cfg.rev_len)
+    return get_task(cfg.task, **kw)
+
+
+def _step_seed(seed: int, step: int, salt: int) -> int:
+    return (int(seed) * 1_000_003 + int(step) * 7_919 + salt * 104_729) % (2 ** 63 - 1)
+
+
+def encode_example(tok: CharTokenizer, ex) -> tuple[list, int]:
+    """(ids of prompt + answer + <eos>, prompt length)."""
+    p = tok.encode(ex.prompt)
+    return p + tok.encode(ex.answer) + [tok.eos_id], len(p)
+
+
+_CHUNK_CACHE: dict = {}
+
+
+def batch_for_step(task, tok: CharTokenizer, cfg: TrainConfig, step: int):
+    """The clean batch of optimizer step `step`: x0 (B, L) int64, prompt (B, L) bool, L a multiple of C.
+
+    Steps are grouped in chunks of `length_chunk`: the chunk's examples (the task's train stream at indices
+    offset by the seed) are sorted by length and cut into batches, whose order inside the chunk is a seeded
+    permutation -- less padding than random batches, same data, a pure function of (seed, step)."""
+    B, n = cfg.batch_size, max(1, cfg.length_chunk)
+    chunk, within = divmod(step, n)
+    key = (task._seed_key, cfg.seed, B, n, chunk)
+    if _CHUNK_CACHE.get("key") != key:
+        base = cfg.seed * 1_000_000_000 + chunk * n * B
+        encoded = [encode_example(tok, task.sample("train", base + i)) for i in range(n * B)]
+        order = sorted(range(n * B), key=lambda i: (len(encoded[i][0]), i))
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, chunk, 1))).tolist()
+        _CHUNK_CACHE.update(key=key, batches=[[encoded[i] for i in order[j * B:(j + 1) * B]] for j in perm])
+    rows = _CHUNK_CACHE["batches"][within]
+    C = cfg.block_size
+    L = -(-max(len(ids) for ids, _ in rows) // C) * C
+    x0 = torch.full((B, L), tok.eos_id, dtype=torch.long)
+    prompt = torch.zeros(B, L, dtype=torch.bool)
+    for b, (ids, P) in enumerate(rows):
+        x0[b, :len(ids)] = torch.tensor(ids)
+        prompt[b, :P] = True
+    return x0, prompt
+
+
+def add_noise(x0: torch.Tensor, prompt: torch.Tensor, mask_id: int, eps: float, gen: torch.Generator):
+    """Masked-diffusion forward process. Returns x_t, masked (B, L) bool, p (B,) fp32."""
+    B, L = x0.shape
+    u = torch.rand((), generator=gen)
+    t = (u + torch.arange(B, dtype=torch.float32)) / B            # stratified over the batch, in [0, 1)
+    t = t[torch.randperm(B, generator=gen)]
+    p = (1 - eps) * t + eps                                        # (B,)
+    masked = (torch.rand(B, L, generator=gen) < p[:, None]) & ~prompt
+    xt = torch.where(masked, torch.full_like(x0, mask_id), x0)
+    return xt, masked, p
+
+
+def diffusion_loss(model, x0, xt, masked, p, prompt, taps=None):
+    """LLaDA SFT loss with the BD3 mask: mean over examples of sum_masked CE/p / answer-region length."""
+    B, L = x0.shape
+    C = model.config.block_size
+    tokens = torch.cat([xt, x0], dim=1)                                   # (B, 2L)
+    positions = torch.arange(L).repeat(2)[None].expand(B, 2 * L)          # (B, 2L)
+    mask = bd3_mask(L, C)[None].expand(B, 2 * L, 2 * L)                   # (B, 2L, 2L)
+    hidden, _ = model(tokens, positions, mask, taps=taps)
+    rows = hidden[:, :L][masked]                                          # (M, H) masked noisy rows
+    logits = model.logits(rows)                                           # (M, V) fp32
+    ce = F.cross_entropy(logits, x0[masked], reduction="none")            # (M,)
+    ex = masked.nonzero(as_tuple=True)[0]                                 # example of each masked row
+    w = 1.0 / (p[ex] * (~prompt).sum(1).clamp(min=1)[ex].float())         # 1/p / answer-region length
+    loss = (ce * w).sum() / B
+    with torch.no_grad():
+        acc = (logits.argmax(-1) == x0[masked]).float().mean() if ce.numel() else torch.tensor(0.0)
+        raw = ce.mean() if ce.numel() else torch.tensor(0.0)
+    return loss, {"ce": float(raw), "acc": float(acc), "masked": int(masked.sum())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# expert load balancing
+# ---------------------------------------------------------------------------------------------------------------
+
+def expert_loads(model, taps: dict) -> torch.Tensor:
+    """(n_moe_layers, E) int64 counts of (token, expert) assignments of the last forward."""
+    E = model.config.num_experts
+    return torch.stack([torch.bincount(ids.reshape(-1), minlength=E) for ids in taps.get("topk_ids", [])])
+
+
+def update_expert_bias(model, loads: torch.Tensor, u: float) -> None:
+    """DeepSeek-V3 aux-loss-free update: bias_e += u * sign(mean load - load_e), per MoE layer."""
+    if u <= 0:
+        return
+    moes = [layer.mlp for layer in model.layers if layer.is_moe]
+    with torch.no_grad():
+        for moe, load in zip(moes, loads):
+            load = load.float()
+            moe.expert_bias += u * torch.sign(load.mean() - load)
+
+
+def balance_stats(loads: torch.Tensor) -> dict:
+    """Per MoE layer: max/mean load and coefficient of variation, from (n_layers, E) counts."""
+    loads = loads.double()
+    mean = loads.mean(1, keepdim=True).clamp(min=1e-12)
+    frac = loads / loads.sum(1, keepdim=True).clamp(min=1e-12)
+    return {"max_over_mean": [round(float(x), 3) for x in (loads.max(1).values / mean[:, 0])],
+            "min_over_mean": [round(float(x), 3) for x in (loads.min(1).values / mean[:, 0])],
+            "cv": [round(float(x), 3) for x in (loads.std(1) / mean[:, 0])],
+            "fraction": [[round(float(v), 4) for v in row] for row in frac]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# optimizer, schedule, checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, p in sorted(model.named_parameters()):
+        (decay if p.ndim >= 2 and name != "embed.weight" else no_decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine down to lr * min_lr_frac at `total`."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _atomic_save(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_state(path: str, model, opt, cfg: TrainConfig, step: int, total: Optional[int], elapsed: float,
+               history: list, loads_acc: torch.Tensor) -> None:
+    _atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "total_steps": total,
+                  "config": asdict(cfg), "elapsed_s": elapsed, "history": history, "loads": loads_acc,
+                  "torch_rng": torch.get_rng_state()}, path)
+
+
+def reproduce_command(cfg: TrainConfig, total: int) -> str:
+    """The `dblock train-tiny` command that reproduces this run bit for bit (fixed --steps, no --minutes)."""
+    parts = ["dblock", "train-tiny", "--family", cfg.family, "--out", cfg.out, "--size", cfg.size,
+             "--task", cfg.task, "--steps", str(total), "--seed", str(cfg.seed), "--batch-size", str(cfg.batch_size),
+             "--lr", str(cfg.lr), "--warmup", str(cfg.warmup), "--block-size", str(cfg.block_size)]
+    if cfg.add_digits:
+        parts += ["--add-digits", "{},{}".format(*cfg.add_digits)]
+    if cfg.rev_len:
+        parts += ["--rev-len", "{},{}".format(*cfg.rev_len)]
+    if cfg.bias_update != TrainConfig.bias_update:
+        parts += ["--bias-update", str(cfg.bias_update)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the loop
+# ---------------------------------------------------------------------------------------------------------------
+
+def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = None, log=print) -> dict:
+    """Train (or resume) and write DIR/train_state.pt plus the HF folder in DIR. Returns the run summary.
+
+    `stop_after`: stop (with a checkpoint, without the final export) once this many steps are done -- for tests
+    of resumption and for splitting a long run.
+    """
+    if cfg.family != "llada2_moe":
+        raise ValueError(f"--family {cfg.family}: train-tiny supports llada2_moe (diffusion_gemma needs "
+                         "dblock.reference.gemma, not available yet)")
+    if not cfg.out:
+        raise ValueError("--out: give an output folder")
+    if not resume and cfg.steps is None and cfg.minutes is None:
+        raise ValueError("give --steps or --minutes")
+    if cfg.steps is not None and cfg.steps <= 0 or cfg.minutes is not None and cfg.minutes <= 0:
+        raise ValueError("--steps and --minutes must be positive")
+    if cfg.batch_size <= 0:
+        raise ValueError("--batch-size must be positive")
+    torch.set_num_threads(max(1, cfg.threads))
+    os.makedirs(cfg.out, exist_ok=True)
+    state_path = os.path.join(cfg.out, STATE_FILE)
+    tok = CharTokenizer()
+
+    step, total, elapsed_before, history = 0, cfg.steps, 0.0, []
+    state = None
+    if resume:
+        if not os.path.isfile(state_path):
+            raise FileNotFoundError(f"--resume: no checkpoint {state_path}")
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        stored = TrainConfig(**{**state["config"], "out": cfg.out, "progress": cfg.progress,
+                                "threads": cfg.threads})
+        cfg = stored
+        step, total = state["step"], state["total_steps"]
+        elapsed_before, history = state["elapsed_s"], state["history"]
+    task = make_task(cfg)
+    model = build_model(cfg)
+    opt = make_optimizer(model, cfg)
+    n_moe = len(model.config.moe_layers)
+    loads_acc = torch.zeros(n_moe, model.config.num_experts, dtype=torch.float64)  # EMA (0.99) of the loads
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        loads_acc = state["loads"]
+        torch.set_rng_state(state["torch_rng"])
+    model.train()
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"train-tiny: {cfg.family} size={cfg.size} params={n_params:,} task={cfg.task} block={cfg.block_size} "
+        f"batch={cfg.batch_size} seed={cfg.seed} " + (f"resuming at step {step}" if resume else "from scratch"))
+
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, initial=step, unit="step", desc="train-tiny", dynamic_ncols=True,
+                   file=sys.stderr, mininterval=2.0)
+    t_start = time.perf_counter()
+    start_step = last_save = step
+    recent = []
+    while total is None or step < total:
+        if stop_after is not None and step >= stop_after:
+            break
+        x0, prompt = batch_for_step(task, tok, cfg, step)
+        gen = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2))
+        xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps, gen)
+        lr = lr_at(step, cfg, total if total is not None else 10 ** 9)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        taps = {}
+        loss, info = diffusion_loss(model, x0, xt, masked, p, prompt, taps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        loads = expert_loads(model, taps)
+        update_expert_bias(model, loads, cfg.bias_update)
+        loads_acc = loads_acc * 0.99 + loads.double()
+        step += 1
+        recent.append((loss.item(), info["ce"], info["acc"]))
+        if step % cfg.log_every == 0 or step == total:
+            m = [sum(x) / len(recent) for x in zip(*recent)]
+            rec = {"step": step, "loss": round(m[0], 4), "ce": round(m[1], 4), "acc": round(m[2], 4),
+                   "lr": round(lr, 6), "grad_norm": round(float(gnorm), 3), "L": int(x0.shape[1]),
+                   "elapsed_s": round(elapsed_before + time.perf_counter() - t_start, 1)}
+            history.append(rec)
+            recent = []
+            if bar is not None:
+                bar.set_postfix(loss=f"{m[0]:.3f}", ce=f"{m[1]:.3f}", acc=f"{m[2]:.3f}", lr=f"{lr:.1e}")
+        if bar is not None:
+            bar.update(1)
+        if total is None and step == start_step + 5:
+            t_cal = time.perf_counter()          # the first steps are slower (allocator, caches): skip them
+        if total is None and step == start_step + 5 + cfg.calibrate_steps:
+            per_step = (time.perf_counter() - t_cal) / cfg.calibrate_steps
+            spent = elapsed_before + time.perf_counter() - t_start
+            total = max(step + 1, step + int((cfg.minutes * 60 - spent) / per_step))
+            log(f"train-tiny: {per_step:.2f} s/step over {cfg.calibrate_steps} steps -> {total} steps for {cfg.minutes} min")
+            if bar is not None:
+                bar.total = total
+                bar.refresh()
+        if step - last_save >= cfg.save_every:
+            save_state(state_path, model, opt, cfg, step, total, elapsed_before + time.perf_counter() - t_start,
+                       history, loads_acc)
+            last_save = step
+    if bar is not None:
+        bar.close()
+    elapsed = elapsed_before + time.perf_counter() - t_start
+    save_state(state_path, model, opt, cfg, step, total, elapsed, history, loads_acc)
+    summary = {"steps_done": step, "total_steps": total, "wall_s": round(elapsed, 1), "params": n_params,
+               "config": asdict(cfg), "reproduce": reproduce_command(cfg, total) if total else None,
+               "final": history[-1] if history else None,
+               "expert_balance_ema": balance_stats(loads_acc) if loads_acc.sum() > 0 else None,
+               "expert_bias_range": [[round(float(layer.mlp.expert_bias.min()), 4),
+                                      round(float(layer.mlp.expert_bias.max()), 4)]
+                                     for layer in model.layers if layer.is_moe]}
+    if total is not None and step >= total:
+        export(model, cfg.out, tok)
+        with open(os.path.join(cfg.out, SUMMARY_FILE), "w") as f:
+            json.dump({**summary, "history": history}, f, indent=1)
+        log(f"train-tiny: done, {step} steps in {elapsed / 60:.1f} min; wrote {cfg.out} "
+            f"(reproduce: {summary['reproduce']})")
+    return summary
+
+
+def export(model, out: str, tok: CharTokenizer) -> None:
+    """The HF folder: config.json + model.safetensors (dblock.save) and tokenizer.json (+ tokenizer_config.json)."""
+    from dblock.weights import save
+    model.eval()
+    save(model, out)
+    tok.save(out)

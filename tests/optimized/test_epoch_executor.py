@@ -1,0 +1,214 @@
+"""The Epoch executor: exactness of full_compute, fail-closed faults, staleness and support invariants."""
+import pytest
+import torch
+
+from dblock.config import DecodeConfig
+from dblock.forward import Segment, StepInput, block_causal
+from dblock.optimized.executor import epoch_forward
+from dblock.optimized.freshlane import grouped_swiglu_torch, sort_by_expert
+from dblock.reference.executor import LladaReference
+from dblock.reference.generate import generate
+from dblock.tiny import make_tiny_model
+from tests.conftest import tol
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 90, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", ["llada2_moe", "llada_moe"])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_full_compute_gives_reference_tokens(family, batch):
+    m = make_tiny_model(family, seed=3)
+    ps = prompts(batch, seed=batch)
+    dec = DecodeConfig(max_new_tokens=24)
+    ref = generate(m, ps, dec)
+    got = generate(epoch_forward(m, "full_compute"), ps, dec)
+    assert got.tokens == ref.tokens
+    assert [c.F for c in got.counters] == [c.F for c in ref.counters]
+
+
+def test_full_compute_oba_gives_reference_tokens():
+    m = make_tiny_model("llada2_moe", seed=3)
+    ps = prompts(4, seed=9)
+    dec = DecodeConfig(max_new_tokens=32)
+    assert generate(epoch_forward(m, "full_compute"), ps, dec, "oba").tokens == generate(m, ps, dec, "oba").tokens
+
+
+def test_epoch_batch_invariance_at_mc1():
+    m = make_tiny_model("llada2_moe", seed=5)
+    ps = prompts(6, seed=2)
+    dec = DecodeConfig(max_new_tokens=24)
+    together = generate(epoch_forward(m, "no_lsp", refresh=1), ps, dec).tokens
+    alone = [generate(epoch_forward(m, "no_lsp", refresh=1), [p], dec).tokens[0] for p in ps]
+    assert together == alone
+
+
+def test_staleness_and_support_invariants_hold():
+    m = make_tiny_model("llada2_moe", seed=6, num_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2)
+    f = epoch_forward(m, "epoch", refresh=3, audit=True)
+    generate(f, prompts(5, seed=4), DecodeConfig(max_new_tokens=40))
+    served = [a for a in f.audit if a["served_rows"]]
+    assert served, "the cache was never used: the test would prove nothing"
+    for a in f.audit:
+        assert all(1 <= age <= a["refresh"] - 1 for age in a["served_ages"])
+        assert not set(a["served_rows"]) & set(a["newly_decoded"])        # newly decoded rows are never served
+        assert set(a["served_rows"]) <= set(a["decoded"])
+        assert a["routed_outside_support"] == 0
+    assert max(f.age_hist) <= 2 and f.stats()["paths"].get("hot-skip", 0) > 0
+    # supports were really restricted somewhere (B = 4K = 8 of 16 experts)
+    assert any(a["support"] is not None and len(a["support"]) < 16 for a in f.audit)
+
+
+# ---- fault injection: every fault falls back to the exact result ------------------------------------------------
+
+def seg(tokens, start, block, mask_id):
+    t = torch.tensor(tokens)
+    live = t == mask_id
+    return Segment(block=block, tokens=t, positions=torch.arange(start, start + len(tokens)), live=live,
+                   decoded=~live)
+
+
+class Driver:
+    """Hand-driven passes over one block: the epoch executor and the reference see the same inputs."""
+
+    def __init__(self, config="no_atlas", refresh=4, **kw):
+        self.m = make_tiny_model("llada2_moe", seed=7, dtype=torch.float64)
+        self.M = self.m.config.mask_token_id
+        self.f = epoch_forward(self.m, config, refresh=refresh, **kw)
+        self.ref = LladaReference(self.m)
+        self.caches = (self.f.new_cache(), self.ref.new_cache())
+        prompt = [[5, 6, 7, 8, 9, 10, 11, 12]]
+        for fw, c in zip((self.f, self.ref), self.caches):
+            fw.append([StepInput(0, [seg(prompt[0], 0, 0, self.M)], block_causal(1), c)])
+        self.block = [self.M] * 8
+
+    def step(self, tokens=None, block=1):
+        tokens = tokens or self.block
+        outs = []
+        for fw, c in zip((self.f, self.ref), self.caches):
+            outs.append(fw.denoise([StepInput(0, [seg(tokens, 8, block, self.M)], block_causal(1), c)])[0][0])
+        return outs
+
+    def decode(self, rows, tok=3):
+        for r in rows:
+            self.block[r] = tok
+
+    def plan(self, block=1):
+        return self.f.plans[(0, block)]
+
+
+def warm(d: Driver):
+    d.step()                         # cold
+    d.decode([0, 1, 2])
+    d.step()                         # rows 0-2 newly decoded: fresh, cached
+    d.decode([3])
+    return d.step()                  # rows 0-2 served from cache
+
+
+def test_hot_pass_really_differs_and_cold_is_exact():
+    d = Driver()
+    e, r = d.step()
+    torch.testing.assert_close(e, r, **tol(torch.float64))
+    e, r = warm(d)
+    assert d.f.stats()["paths"].get("hot-skip", 0) > 0
+    assert (e - r).abs().max() > 1e-9    # the cache is approximate: a fault test would catch a silent read
+
+
+def test_stale_version_falls_back():
+    d = Driver()
+    warm(d)
+    for lp in d.plan().layers.values():
+        lp.cache.version[:] = -5
+    e, r = d.step()
+    torch.testing.assert_close(e, r, **tol(torch.float64))
+    assert d.f.stats()["paths"]["fallback"] > 0 and d.f.totals["fallback:version"] > 0
+
+
+def test_cache_entry_of_age_mc_falls_back():
+    d = Driver(refresh=4)
+    warm(d)
+    plan = d.plan()
+    for lp in plan.layers.values():
+        lp.cache.written[:3] = plan.passes - 4   # age M_C at read
+    e, r = d.step()
+    torch.testing.assert_close(e, r, **tol(torch.float64))
+    assert d.f.totals["fallback:age"] > 0
+
+
+def test_decoded_back_to_live_falls_back():
+    d = Driver()
+    warm(d)
+    d.block[1] = d.M                  # a decoded row turns live again: not a masked-diffusion transition
+    e, r = d.step()
+    torch.testing.assert_close(e, r, **tol(torch.float64))
+    assert d.f.totals["fallback:reversal"] == 1
+
+
+def test_shape_mismatch_falls_back():
+    d = Driver()
+    warm(d)
+    e, r = d.step(tokens=d.block + [d.M, d.M])   # the block's segment changed length under the same key
+    torch.testing.assert_close(e, r, **tol(torch.float64))
+    assert d.f.totals["fallback:shape"] == 1
+
+
+def test_atlas_failure_uses_all_experts():
+    # no_lsp keeps every row fresh; a support that can never reach coverage (B=1, no repair) fails closed
+    d = Driver(config="no_lsp", atlas_q=1.0)
+    d.f.ap.B, d.f.ap.c = 1, 0
+    for _ in range(3):
+        e, r = d.step()
+        torch.testing.assert_close(e, r, **tol(torch.float64))
+    assert d.f.totals["fallback:atlas"] > 0
+
+
+def test_token_change_under_a_decoded_row_falls_back():
+    d = Driver()
+    warm(d)
+    d.block[0] = 9                    # same liveness, different token: the cached output is for another token
+    e, r = d.step()
+    torch.testing.assert_close(e, r, **tol(torch.float64))
+    assert d.f.totals["fallback:token"] > 0
+
+
+# ---- FreshLane edges --------------------------------------------------------------------------------------------
+
+def test_sort_by_expert_docstring_example():
+    row, slot, counts = sort_by_expert(torch.tensor([[2, 0], [0, -1], [2, 1], [1, 0]]))
+    assert row.tolist() == [0, 1, 3, 2, 3, 0, 2] and slot.tolist() == [1, 0, 1, 1, 0, 0, 0]
+    assert counts.tolist() == [3, 2, 2]
+
+
+def test_grouped_swiglu_zero_rows_and_against_loop():
+    E, I, H = 4, 6, 5
+    g = torch.Generator().manual_seed(0)
+    wg, wu, wd = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g)
+    empty = grouped_swiglu_torch(torch.zeros(0, H), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), wg, wu, wd)
+    assert empty.shape == (0, H)
+    x = torch.randn(7, H, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[0, 3], [3, -1], [1, 0], [0, 1], [2, 2], [-1, -1], [3, 0]])
+    w = torch.rand(7, 2, generator=g, dtype=torch.float64)
+    got = grouped_swiglu_torch(x, ids, w, wg.double(), wu.double(), wd.double())
+    want = torch.zeros(7, H, dtype=torch.float64)
+    for t in range(7):
+        for k in range(2):
+            e = int(ids[t, k])
+            if e >= 0:
+                h = torch.nn.functional.silu(wg[e].double() @ x[t]) * (wu[e].double() @ x[t])
+                want[t] += w[t, k] * (wd[e].double() @ h)
+    torch.testing.assert_close(got, want, **tol(torch.float64))
+    assert torch.equal(got[5], torch.zeros(H, dtype=torch.float64))
+
+
+def test_zero_fresh_rows_in_a_pass():
+    """A pass whose every row is a stable decoded row: nothing goes through the experts."""
+    d = Driver(refresh=10)
+    d.step()
+    d.block = [3] * 8
+    d.step()                          # all rows newly decoded -> fresh, cached
+    d.step()                          # all rows stable -> zero fresh rows
+    assert all(s["fresh"] == 0 for s in d.f.last_pass_stats()["layers"])
+    assert all(s["cached"] == 8 for s in d.f.last_pass_stats()["layers"])
