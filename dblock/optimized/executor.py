@@ -34,6 +34,29 @@ from dblock.optimized.plan import BlockPlan, EpochConfig
 from dblock.reference.executor import KVCache, LladaReference, build_layout, stack_past
 
 
+class TorchStages:
+    """The swappable stages of the optimized path, in torch (DESIGN "seams"). `dblock.kernels.stack.TritonStages`
+    implements the same methods with Triton kernels; `use_triton` picks it for the whole stack."""
+
+    name = "torch"
+
+    def route(self, logits_FE, bias_E, cfg, allowed_FE):
+        """Support-restricted routing of the fresh rows -> ids (F, K) (-1 = no expert), weights (F, K) fp32."""
+        return route_restricted(logits_FE, bias_E, cfg, allowed_FE)
+
+    def experts(self, x_FH, ids_FK, w_FK, w_gate_EIH, w_up_EIH, w_down_EHI):
+        """Grouped SwiGLU over the fresh worklist, weighted and summed over slots -> (F, H)."""
+        return grouped_swiglu_torch(x_FH, ids_FK, w_FK, w_gate_EIH, w_up_EIH, w_down_EHI)
+
+    def attend(self, attn, xn_BLH, positions_BL, mask_BLS, past_k, past_v, items):
+        """Attention of every row over [committed cache ; in-flight segments] -> (B, L, H)."""
+        return attn(xn_BLH, positions_BL, mask_BLS, past_k, past_v)[0]
+
+    def lm_head(self, model, hidden_LH, live_L):
+        """Logits of the live rows only (decoded rows feed no decision)."""
+        return model.logits(hidden_LH[live_L])
+
+
 @dataclass
 class Rows:
     """Where every valid row of a call lives, and its block plan (all (T,) tensors)."""
@@ -66,11 +89,10 @@ class EpochExecutor(Forward):
         self.age_hist = Counter()                # cache ages at read
         self._last: dict = {}
         self._pass = 0
+        self.stages = TorchStages()
         if self.ecfg.use_triton:
-            from dblock.kernels import stack as triton_stack
-            self.kernels = triton_stack(self.config)
-        else:
-            self.kernels = None
+            from dblock.kernels.stack import TritonStages
+            self.stages = TritonStages(self.config)
 
     @property
     def device(self):
@@ -206,10 +228,10 @@ class EpochExecutor(Forward):
             support_sizes.append(E if sup is None else int(sup.sum()))
             if sup is not None and "route-outside-support" not in self.ecfg.inject:
                 allowed[R.plan[idx_F] == p] = sup
-        ids, w = route_restricted(logits_T[idx_F], bias, self.config, allowed)
+        ids, w = self.stages.route(logits_T[idx_F], bias, self.config, allowed)
         # 5) FreshLane: experts over the short worklist
-        experts = self._experts(moe)
-        y_F, comm = self.dispatcher.run(x_F, ids, w, experts)
+        y_F, comm = self.dispatcher.run(
+            x_F, ids, w, lambda x, i, wt: self.stages.experts(x, i, wt, moe.w_gate, moe.w_up, moe.w_down))
         # 6) merge: fresh rows from the experts, stable decoded rows from the cache; write decoded fresh rows
         y_T = torch.zeros(T, H, dtype=xn.dtype)
         y_T[idx_F] = y_F.to(xn.dtype)
@@ -240,11 +262,6 @@ class EpochExecutor(Forward):
                                   "paths": dict(layer_paths), "pairs": int((ids >= 0).sum())})
         self._comm.add(comm)
         return out.view(B, L, H)
-
-    def _experts(self, moe):
-        if self.kernels is not None:
-            return lambda x, ids, w: self.kernels.grouped_swiglu(x, ids, w, moe.w_gate, moe.w_up, moe.w_down)
-        return lambda x, ids, w: grouped_swiglu_torch(x, ids, w, moe.w_gate, moe.w_up, moe.w_down)
 
     def _audit(self, li, R: Rows, fresh, serve, idx_F, ids) -> None:
         served = {p: (rows, ages) for p, rows, ages in serve if not fresh[rows].any()}
@@ -281,7 +298,7 @@ class EpochExecutor(Forward):
         x = model.embed(tokens)                                              # (B, L, H)
         for li, layer in enumerate(model.layers):
             pk, pv = past[li] if past is not None else (None, None)
-            a, _, _ = layer.attn(layer.attn_norm(x), positions, mask, pk, pv)
+            a = self.stages.attend(layer.attn, layer.attn_norm(x), positions, mask, pk, pv, items)
             h = x + a
             if not layer.is_moe:
                 x = h + layer.mlp(layer.mlp_norm(h))
@@ -298,7 +315,7 @@ class EpochExecutor(Forward):
                 if skip and live.any():      # deliberately wrong: drop the first live row's LM head
                     live = live.clone()
                     live[live.nonzero()[0, 0]] = False
-                per_seg.append(model.logits(x[b, off:off + len(s)][live]))
+                per_seg.append(self.stages.lm_head(model, x[b, off:off + len(s)], live))
                 off += len(s)
             out.append(per_seg)
         for plan in R.plans:
