@@ -369,9 +369,10 @@ class RequestRun:
                 f.warmup_steps += 1
             else:
                 f.passes_current += 1
-        cur = self.inflight[0]
-        if self.rule.done(cur.state):
-            self._commit(cur)
+        # commit in order; a promoted block that is already complete (masked diffusion: every row decoded during
+        # warm-up) commits at once, without a pass of its own
+        while not self.finished and self.inflight and self.rule.done(self.inflight[0].state):
+            self._commit(self.inflight[0])
         if not self.finished:
             self._fill_window()
 
@@ -413,10 +414,8 @@ class RequestRun:
         if self.inflight:  # the next block becomes current keeping what the schedule says
             self.inflight[0].state = self.rule.promote(self.inflight[0].state, self.spec.keep)
         if not self.recompute:
-            self._pending_append = [Segment(block=f.index, tokens=tokens, positions=torch.arange(f.start,
-                                                                                                f.start + self.C),
-                                            live=torch.zeros(self.C, dtype=torch.bool),
-                                            decoded=torch.ones(self.C, dtype=torch.bool), role="prefix")]
+            seg = self._fixed_segment(tokens, f.start, f.index, "prefix")
+            self._pending_append = (self._pending_append or []) + [seg]
 
     # ---- results ------------------------------------------------------------------------------------------
     def output_tokens(self) -> list:
