@@ -1,0 +1,123 @@
+"""`dblock compare-schedules`: every schedule on the same prompts and seeds, in the shape of the One Block Ahead
+paper's Tables 1–2.
+
+Per schedule: TPF = ΣY/ΣQ; TPS = ΣY / denoising wall time; T_den = mean wall time of a denoising call; r = T_den /
+T_den(Native C) (measured at batch 1 unless --batch-size says otherwise, as the paper measures r); n = F/K passes per
+block; naive ᾱ = n̄/n − 1 with n̄ the Native(C) passes per block; fitted α from Eq. 6 (`dblock.simulator.oba.
+fit_alpha`, single root on [−1/2, 1)); the break-even verdict α > r − 1; the first-pass statistic of the paper's
+Figure 2 (share of a block's positions accepted on its first pass as current block, and kept until commit);
+accuracy when a grader is given.
+
+Reading the table: a schedule pays in throughput when α − (r − 1) > 0. TPF counts passes only, so it rises with
+every warm-up step that carries progress; TPS also pays for the wider pass (r). On a CPU the paired pass costs
+about twice a single one (no tile skipping, compute-bound), so r is near 2 and OBA rarely pays in TPS here even
+when it raises TPF — exactly the paper's break-even argument; `dblock simulate pass` predicts r on GPUs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+from dblock.config import DecodeConfig
+from dblock.reference.generate import generate
+from dblock.reference.schedules import Request, schedule_spec
+from dblock.trace import TraceWriter
+
+DEFAULT_SCHEDULES = ("native", "native2c", "flowblock", "dense_mask", "oba",
+                     "drop_time", "keep_signal", "keep_tokens", "no_accept", "no_signal")
+MULTIBLOCK = {"oba", "dense_mask", "flowblock", "drop_time", "keep_signal", "keep_tokens", "no_accept", "no_signal"}
+
+
+def _requests(prompts: Sequence, dec: DecodeConfig, seeds: Sequence[int]) -> list:
+    """Every prompt under every seed offset; case i under offset s gets seed s + i (the paper's protocol)."""
+    return [Request(prompt=list(p), max_new_tokens=dec.max_new_tokens, seed=s + i, id=(s, i))
+            for s in seeds for i, p in enumerate(prompts)]
+
+
+def run_schedule(fwd, prompts, dec, name: str, seeds, batch_size: Optional[int] = 1, window=None, gate=None,
+                 trace: Optional[str] = None, grader=None, progress: bool = False) -> dict:
+    spec = schedule_spec(name, window, gate)
+    reqs = _requests(prompts, dec, seeds)
+    with TraceWriter(trace) as tr:
+        if tr.enabled:
+            tr.run_header(family=fwd.config.family, executor=fwd.name, schedule=spec.name, decode=vars(dec))
+        res = generate(fwd, reqs, dec, spec, trace=tr, progress=progress, batch_size=batch_size)
+    s = res.summary()
+    blocks = [b for c in res.counters for b in c.blocks]
+    positions = sum(b.size for b in blocks)
+    row = {"schedule": spec.name, "Y": s["Y"], "K": s["K"], "F": s["F"], "Q": s["Q"], "R": len(reqs),
+           "TPF": s["TPF"], "TPS": s["TPS"], "T_den_ms": s["T_den_ms"], "wall_TPS": s["wall_TPS"],
+           "n": s["F"] / s["K"] if s["K"] else math.nan, "tokens_per_block": s["Y"] / s["K"] if s["K"] else 0.0,
+           "first_pass_accepted": sum(b.first_pass_accepted for b in blocks) / positions if positions else 0.0,
+           "first_pass_kept": sum(b.first_pass_kept for b in blocks) / positions if positions else 0.0,
+           "blocks_per_response": s["K"] / len(reqs)}
+    if grader is not None:
+        ok = [grader(r.prompt, toks) for r, toks in zip(reqs, res.tokens)]
+        row["accuracy"] = sum(ok) / len(ok)
+    return row
+
+
+def derive(rows: list) -> list:
+    """Add r, naive ᾱ, fitted α and the verdict against the Native(C) row."""
+    from dblock.simulator.oba import fit_alpha, naive_alpha
+
+    base = next((r for r in rows if r["schedule"] == "native"), None)
+    for r in rows:
+        r.update(r=None, alpha_naive=None, alpha=None, margin=None, verdict=None, alpha_note=None)
+        if base is None or not base["T_den_ms"]:
+            continue
+        r["r"] = r["T_den_ms"] / base["T_den_ms"]
+        r["TPF_ratio"] = r["TPF"] / base["TPF"] if base["TPF"] else None
+        r["TPS_ratio"] = r["TPS"] / base["TPS"] if base["TPS"] else None
+        nbar = base["F"] / base["K"]
+        if r["schedule"] == "native2c":   # a wider block: alpha (passes saved per warm-up step) does not apply
+            r["verdict"] = "pays" if r["TPS_ratio"] and r["TPS_ratio"] > 1 else "does not pay"
+            continue
+        r["alpha_naive"] = naive_alpha(nbar, r["F"], r["K"])
+        try:
+            r["alpha"] = fit_alpha(r["F"], r["K"], r["R"], nbar)
+        except ValueError as e:
+            r["alpha_note"] = str(e)
+        a = r["alpha"] if r["alpha"] is not None else r["alpha_naive"]
+        r["margin"] = a - (r["r"] - 1)
+        if r["schedule"] != "native":
+            r["verdict"] = "pays" if r["margin"] > 0 else "does not pay"
+    return rows
+
+
+def compare_schedules(fwd, prompts: Sequence, dec: DecodeConfig, schedules: Sequence[str] = DEFAULT_SCHEDULES,
+                      seeds: Sequence[int] = (0,), batch_size: Optional[int] = 1, window=None, gate=None,
+                      trace_dir: Optional[str] = None, grader=None, progress: bool = False) -> list:
+    """Run every schedule; llada_moe (no block-causal structure) runs only the single-block ones."""
+    import os
+    rows = []
+    for name in schedules:
+        if fwd.config.family == "llada_moe" and name in MULTIBLOCK:
+            continue
+        trace = os.path.join(trace_dir, f"{name}.jsonl") if trace_dir else None
+        rows.append(run_schedule(fwd, prompts, dec, name, seeds, batch_size, window, gate, trace, grader, progress))
+    return derive(rows)
+
+
+COLUMNS = [("schedule", "{:<12}"), ("TPF", "{:>6.2f}"), ("TPS", "{:>8.1f}"), ("T_den_ms", "{:>8.2f}"),
+           ("r", "{:>5.2f}"), ("n", "{:>6.2f}"), ("alpha_naive", "{:>6.2f}"), ("alpha", "{:>6.2f}"),
+           ("margin", "{:>7.2f}"), ("verdict", "{:>13}"), ("first_pass_accepted", "{:>6.2f}"),
+           ("accuracy", "{:>6.3f}")]
+HEADERS = {"schedule": "schedule", "TPF": "TPF", "TPS": "TPS", "T_den_ms": "T_den ms", "r": "r", "n": "n/blk",
+           "alpha_naive": "ᾱ", "alpha": "α", "margin": "α-(r-1)", "verdict": "verdict",
+           "first_pass_accepted": "1st-acc", "accuracy": "acc"}
+
+
+def format_table(rows: list) -> str:
+    cols = [(k, f) for k, f in COLUMNS if any(r.get(k) is not None for r in rows)]
+    widths = [max(len(HEADERS[k]), len(f.format(0.0 if "f}" in f else "x"))) for k, f in cols]
+    lines = ["  ".join(HEADERS[k].rjust(w) if k != "schedule" else HEADERS[k].ljust(w)
+                       for (k, _), w in zip(cols, widths))]
+    for r in rows:
+        cells = []
+        for (k, f), w in zip(cols, widths):
+            v = r.get(k)
+            cells.append(("-".rjust(w) if k != "schedule" else "-".ljust(w)) if v is None else f.format(v).rjust(w)
+                         if k != "schedule" else f.format(v).ljust(w))
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
