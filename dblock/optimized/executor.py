@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dblock.forward import Forward, StepInput
 from dblock.optimized.atlas import build_support, candidates, route_restricted
 from dblock.optimized.freshlane import CommStats, LocalDispatcher, grouped_swiglu_torch
-from dblock.optimized.liveness import LayerCache
+from dblock.optimized.liveness import EMPTY, LayerCache
 from dblock.optimized.plan import BlockPlan, EpochConfig
 from dblock.reference.executor import KVCache, LladaReference, build_layout, stack_past
 
@@ -81,10 +81,14 @@ class EpochExecutor(Forward):
         self.model, self.config = model, model.config
         self.ecfg = cfg or EpochConfig()
         self.ap = self.ecfg.atlas_params.resolved(self.config.num_experts, self.config.num_experts_per_tok)
+        if "route-outside-support" in self.ecfg.inject:  # fault: tiny supports (B = K) so an outside exists
+            self.ap = replace(self.ap, B=min(self.ap.B, self.config.num_experts_per_tok))
         self.reference = LladaReference(model)
         self.dispatcher = dispatcher or LocalDispatcher(self.config.num_experts)
         self.plans: dict = {}
         self.audit = [] if audit else None       # per (pass, block, layer) records for the equivalence suite
+        self.audit_heads = [] if audit else None  # per (pass, block) rows the LM head ran for (equivalence suite)
+        self.taps = None                         # equivalence suite: a dict -> per MoE layer "routed", "moe_in"
         self.totals = Counter()                  # paths and fallbacks over the executor's life
         self.age_hist = Counter()                # cache ages at read
         self._last: dict = {}
@@ -135,7 +139,10 @@ class EpochExecutor(Forward):
                         self.totals["fallback:shape"] += 1
                     plan = BlockPlan(it.request, s.block, n, self.config.num_hidden_layers)
                     self.plans[key] = plan
-                plan.path = plan.liveness.plan_pass(s.decoded.cpu(), plan.passes, self.ecfg.refresh, self.ecfg.lsp)
+                refresh = self.ecfg.refresh
+                if "stale-cache" in self.ecfg.inject:    # fault: the refresh clock never fires, entries age past M_C
+                    refresh = 1 << 30
+                plan.path = plan.liveness.plan_pass(s.decoded.cpu(), plan.passes, refresh, self.ecfg.lsp)
                 if plan.path == "fallback":
                     plan.invalidate()
                     self.totals[f"fallback:{plan.liveness.reason}"] += 1
@@ -161,6 +168,12 @@ class EpochExecutor(Forward):
         E = self.config.num_experts
         fresh = R.fresh.clone()
         layer_paths = Counter()
+        if "cache-newly-decoded" in self.ecfg.inject:  # fault: serve newly decoded rows from the entry written
+            for p, plan in enumerate(R.plans):           # while they were still live (their MASK-identity output)
+                lp = plan.layer(li)
+                if plan.path == "hot" and lp.cache is not None and lp.cache.values.shape[0] == plan.N:
+                    rows_T = R.plan_rows[p]
+                    fresh[rows_T[plan.liveness.newly & (lp.cache.written != EMPTY)]] = False
         # 1) cache checks for rows the plan wants to serve; any doubt -> this layer of this block goes fresh
         serve = []                                                           # (plan index, rows, ages)
         for p, plan in enumerate(R.plans):
@@ -253,13 +266,20 @@ class EpochExecutor(Forward):
                 plan.layer(li).cache.write(R.row[wr], y_F[pos_in_F], plan.passes, R.token[wr], plan.version)
         if self.audit is not None:
             self._audit(li, R, fresh, serve, idx_F, ids)
+        if self.taps is not None:  # equivalence suite: routed output per row, after merge, before the shared expert
+            full = torch.zeros(B * L, H, dtype=xn.dtype)
+            full[R.flat] = y_T
+            self.taps.setdefault("routed", []).append(full.view(B, L, H))
+            self.taps.setdefault("moe_in", []).append(xn)
         if moe.shared is not None:
             y_T = y_T + moe.shared(xn_T)
         out = torch.zeros(B * L, H, dtype=xn.dtype)
         out[R.flat] = y_T
         self._layer_stats.append({"layer": li, "fresh": int(idx_F.numel()), "cached": served,
                                   "support": sum(support_sizes) / max(1, len(support_sizes)),
-                                  "paths": dict(layer_paths), "pairs": int((ids >= 0).sum())})
+                                  "paths": dict(layer_paths), "pairs": int((ids >= 0).sum()),
+                                  "routed_rows": int(idx_need.numel()), "rows": T,
+                                  "experts_used": int(ids[ids >= 0].unique().numel())})
         self._comm.add(comm)
         return out.view(B, L, H)
 
@@ -283,6 +303,7 @@ class EpochExecutor(Forward):
                 "support": None if sup is None else sup.nonzero(as_tuple=True)[0].tolist(),
                 "support_ok": plan.layer(li).support_ok, "under": plan.layer(li).under,
                 "routed_outside_support": outside, "refresh": self.ecfg.refresh,
+                "built_at": plan.layer(li).built_at, "alpha": self.ap.alpha, "q": self.ap.q,
             })
 
     # ---- the denoising call -------------------------------------------------------------------------------
@@ -315,6 +336,10 @@ class EpochExecutor(Forward):
                 if skip and live.any():      # deliberately wrong: drop the first live row's LM head
                     live = live.clone()
                     live[live.nonzero()[0, 0]] = False
+                if self.audit_heads is not None:
+                    self.audit_heads.append({"pass": self._pass, "request": it.request, "block": s.block,
+                                             "live": s.live.nonzero(as_tuple=True)[0].tolist(),
+                                             "head_rows": live.nonzero(as_tuple=True)[0].tolist()})
                 per_seg.append(self.stages.lm_head(model, x[b, off:off + len(s)], live))
                 off += len(s)
             out.append(per_seg)

@@ -1,0 +1,93 @@
+"""Triton kernels of the optimized executor: one op per file, each with a `@triton.jit` kernel, a `*_triton`
+launcher that asserts dtype, contiguity and strides, and a `*_torch` golden model.
+
+    route.py        support-restricted group-limited top-K routing of the fresh rows
+    compact.py      compact fresh rows; scatter them back and merge cached stable rows
+    align.py        (row, slot) pairs sorted by expert, padded to BLOCK_M (vLLM moe_align_block_size layout)
+    grouped_mlp.py  grouped SwiGLU expert MLP: gather in the load, routing weight, scatter in the store
+    attention.py    attention over [prefix cache ; in-flight blocks] on a per-request tile schedule
+    lm_head.py      final RMSNorm + LM head of the live rows only (gathered in the load)
+    stack.py        `TritonStages`: the executor's stage seam (route, experts, attend, lm_head, compact, scatter)
+
+On a machine without CUDA the kernels run through the Triton interpreter (numpy, slow, for checking). Triton
+decides interpreter vs compiler when `@triton.jit` decorates a function (triton 3.9: `knobs.runtime.interpret`,
+read from the environment variable TRITON_INTERPRET at that moment), so the variable is set here, before any
+kernel module is imported. With CUDA present the kernels are compiled unless TRITON_INTERPRET=1 was set by the
+caller (the CPU tests do that). Decorated functions keep the mode they were created with, so the mode of a
+process is fixed by the first import of this package: `INTERPRET` says which.
+
+Interpreter traps (triton-lang/triton#11584): bf16 arithmetic, `tl.sum` and `tl.dot` on bf16 are wrong, the
+fp32->bf16 cast at store truncates instead of rounding. Every kernel therefore loads, upcasts to fp32 where it
+computes (`F32` constexpr: always under the interpreter and for fp32 inputs), and casts only at the store. On a GPU
+16-bit operands go to `tl.dot` as they are (products of bf16 numbers are exact in fp32, accumulation is fp32).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Without CUDA the compiled path cannot launch at all; the interpreter is the only way to run the kernels.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402,F401
+    HAVE_TRITON = True
+except ImportError:                                       # pragma: no cover - triton is an extra
+    triton = None
+    HAVE_TRITON = False
+
+
+def interpret_mode() -> bool:
+    """True when `@triton.jit` functions created now run through the interpreter."""
+    if not HAVE_TRITON:
+        return False
+    return bool(triton.knobs.runtime.interpret)
+
+
+INTERPRET = interpret_mode()        # the mode of every kernel in this package (fixed at import)
+
+#: dtypes the launchers accept (fp64 is not a Triton compute type here: kernels compute in fp32)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def check(t: torch.Tensor, name: str, dtypes=None, ndim: int | None = None, contiguous: bool = False,
+          last_stride_one: bool = True, device=None) -> None:
+    """Launcher-side layout assertions (nano-vllm style): one clear message per violated assumption."""
+    assert isinstance(t, torch.Tensor), f"{name}: expected a tensor, got {type(t).__name__}"
+    if dtypes is not None:
+        dtypes = dtypes if isinstance(dtypes, (tuple, list)) else (dtypes,)
+        assert t.dtype in dtypes, f"{name}: dtype {t.dtype}, expected one of {tuple(dtypes)}"
+    if ndim is not None:
+        assert t.dim() == ndim, f"{name}: {t.dim()}-d tensor of shape {tuple(t.shape)}, expected {ndim}-d"
+    if contiguous:
+        assert t.is_contiguous(), f"{name}: must be contiguous (strides {t.stride()}, shape {tuple(t.shape)})"
+    if last_stride_one and t.dim() and t.shape[-1] > 1:
+        assert t.stride(-1) == 1, f"{name}: last dim must have stride 1 (strides {t.stride()})"
+    if device is not None:
+        assert t.device == device, f"{name}: on {t.device}, expected {device}"
+
+
+def check_runnable(device: torch.device) -> None:
+    """The kernels can launch on tensors of `device` in this process's mode (clear error instead of a crash)."""
+    if INTERPRET:
+        if device.type != "cpu":
+            raise RuntimeError(f"the Triton kernels were set up for the interpreter (CPU tensors); got {device}")
+    elif device.type != "cuda":
+        raise RuntimeError(f"the Triton kernels are compiled for CUDA; got tensors on {device} "
+                           "(set TRITON_INTERPRET=1 before importing dblock.kernels to check on CPU)")
+
+
+def f32_mode(dtype: torch.dtype) -> bool:
+    """Compute in fp32 inside the kernel (interpreter: always; GPU: for fp32 inputs, with IEEE dots)."""
+    return INTERPRET or dtype == torch.float32
+
+
+def tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
