@@ -68,6 +68,14 @@ def add_executor_args(p):
     g.add_argument("--update-every", type=int, default=None, help="Expert Atlas hot-update period in passes")
     g.add_argument("--use-triton", action="store_true",
                    help="run the epoch executor's Triton kernels (interpreter on a machine without a GPU)")
+    # issue 10: expert/sequence-parallel MoE on torch.distributed (dblock.optimized.ep)
+    g.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel ranks: launch with torchrun --nproc-per-node N -m dblock ... --ep N (gloo on "
+                        "cpu, NCCL on cuda; default: the launcher's world size, or 1 process without torchrun; "
+                        "--ep 1 runs the distributed code path in one process)")
+    g.add_argument("--ep-dispatch", default="freshlane", choices=["freshlane", "dense"],
+                   help="with --ep / torchrun: move only fresh rows (freshlane, default) or every row (dense, for "
+                        "comparison); traces count both either way")
 
 
 def decode_config(args, family: str):
@@ -88,17 +96,38 @@ def decode_config(args, family: str):
 def load_model(args):
     import dblock
     dtype = args.dtype or ("float32" if args.device == "cpu" else None)
-    return dblock.load(args.model, dtype=dtype, device=args.device)
+    device = args.device
+    if device == "cuda" and "LOCAL_RANK" in os.environ:      # torchrun: one GPU per process (issue 10)
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    return dblock.load(args.model, dtype=dtype, device=device)
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (issue 10): every rank runs the command, rank 0 prints and writes files."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def make_forward(model, args):
     """The executor chosen on the command line, over the loaded model's weights."""
     from dblock.reference.generate import reference_forward
+    ep = getattr(args, "ep", None)
+    if ep is not None and (getattr(args, "executor", "reference") == "reference" or args.epoch_config == "dense"):
+        raise ValueError(f"--ep {ep}: expert parallelism runs the epoch executor; add --executor epoch (and an "
+                         "--epoch-config other than dense)")
     if getattr(args, "executor", "reference") == "reference":
         return reference_forward(model)
     from dblock.optimized.executor import epoch_forward
+    dispatcher = None
+    if (ep is not None or under_torchrun()) and args.epoch_config != "dense":   # issue 10
+        from dblock.optimized.ep import dispatcher_from_cli
+        dispatcher = dispatcher_from_cli(model, ep, args.ep_dispatch, str(model.embed.weight.device))
     return epoch_forward(model, args.epoch_config, refresh=args.refresh, atlas_alpha=args.atlas_alpha,
-                         atlas_q=args.atlas_q, update_every=args.update_every, use_triton=args.use_triton)
+                         atlas_q=args.atlas_q, update_every=args.update_every, use_triton=args.use_triton,
+                         dispatcher=dispatcher)
 
 
 def load_tokenizer(model):
@@ -180,12 +209,12 @@ def _generate(args) -> int:
     dec = decode_config(args, model.config.family)
     spec = schedule_spec(args.schedule, args.window, args.gate)
     fwd = make_forward(model, args)
-    with TraceWriter(args.trace) as tr:
+    with TraceWriter(args.trace if is_rank0() else None) as tr:
         if tr.enabled:
             tr.run_header(model=args.model, family=model.config.family, executor=fwd.name, schedule=spec.name,
                           decode=vars(dec))
-        res = generate(fwd, prompts, dec, spec, trace=tr, progress=args.progress or len(prompts) > 8,
-                       batch_size=args.batch_size)
+        show = (args.progress or len(prompts) > 8) and is_rank0()
+        res = generate(fwd, prompts, dec, spec, trace=tr, progress=show, batch_size=args.batch_size)
     texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens] if tok is not None else None
     out = {"tokens": res.tokens, "counters": {"summary": res.summary(),
                                               "per_request": [c.as_dict() for c in res.counters]}}
@@ -283,18 +312,25 @@ def main(argv=None) -> int:
         return 2
     import torch
     torch.set_num_threads(args.threads)
+    prog = "dblock"
+    if under_torchrun():                 # issue 10: every rank runs the command; rank 0 alone prints results
+        prog = f"dblock[rank {os.environ['RANK']}]"
+        if not is_rank0():
+            sys.stdout = open(os.devnull, "w")
+            os.environ["TQDM_DISABLE"] = "1"     # progress bars too (tqdm >= 4.66 reads it)
     try:
         return args._runners[args.command](args) or 0
     except KeyboardInterrupt:
-        print("dblock: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one clear line, no traceback (DBLOCK_DEBUG=1 re-raises)
         if os.environ.get("DBLOCK_DEBUG"):
             raise
-        known = ("ConfigError", "WeightsError", "ValueError", "FileNotFoundError", "TaskError")
+        known = ("ConfigError", "WeightsError", "ValueError", "FileNotFoundError", "TaskError", "EPTimeoutError",
+                 "EPError")
         kind = "error" if type(e).__name__ in known else f"internal error ({type(e).__name__})"
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"dblock: {kind}: {msg}", file=sys.stderr)
+        print(f"{prog}: {kind}: {msg}", file=sys.stderr)
         return 2
 
 
