@@ -65,7 +65,12 @@ def add_executor_args(p):
     g.add_argument("--refresh", type=int, default=None, help="LSP refresh period M_C (default 5)")
     g.add_argument("--atlas-alpha", type=float, default=None, help="Expert Atlas coverage floor alpha (default 0.9)")
     g.add_argument("--atlas-q", type=float, default=None, help="Expert Atlas covered-token quota q (default 0.95)")
-    g.add_argument("--update-every", type=int, default=None, help="Expert Atlas hot-update period in passes")
+    g.add_argument("--update-every", type=int, default=None, help="Expert Atlas hot-update period in passes (default 4)")
+    g.add_argument("--atlas-m", type=int, default=None, help="Expert Atlas extra candidates per token (default K)")
+    g.add_argument("--atlas-B", type=int, default=None,
+                   help="Expert Atlas initial support size (default min(E, 4K))")
+    g.add_argument("--atlas-beta", type=float, default=None, help="Expert Atlas score weight beta (default 1)")
+    g.add_argument("--atlas-c", type=int, default=None, help="Expert Atlas experts added per repair round (default K)")
     g.add_argument("--use-triton", action="store_true",
                    help="run the epoch executor's Triton kernels (interpreter on a machine without a GPU)")
     # issue 10: expert/sequence-parallel MoE on torch.distributed (dblock.optimized.ep)
@@ -127,7 +132,8 @@ def make_forward(model, args):
         dispatcher = dispatcher_from_cli(model, ep, args.ep_dispatch, str(model.embed.weight.device))
     return epoch_forward(model, args.epoch_config, refresh=args.refresh, atlas_alpha=args.atlas_alpha,
                          atlas_q=args.atlas_q, update_every=args.update_every, use_triton=args.use_triton,
-                         dispatcher=dispatcher)
+                         dispatcher=dispatcher, atlas_m=args.atlas_m, atlas_B=args.atlas_B,
+                         atlas_beta=args.atlas_beta, atlas_c=args.atlas_c)
 
 
 def load_tokenizer(model):

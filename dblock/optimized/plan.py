@@ -42,6 +42,12 @@ class EpochConfig:
             raise ValueError(f"refresh={M}: M_C must be >= 1")
         if not 0.0 < ap.alpha <= 1.0 or not 0.0 <= ap.q <= 1.0:
             raise ValueError(f"atlas alpha={ap.alpha}, q={ap.q}: allowed alpha in (0, 1], q in [0, 1]")
+        for k in ("m", "B", "c"):
+            v = getattr(ap, k)
+            if v is not None and v < (1 if k == "B" else 0):
+                raise ValueError(f"atlas {k}={v}: must be >= {1 if k == 'B' else 0}")
+        if ap.beta < 0:
+            raise ValueError(f"atlas beta={ap.beta}: must be >= 0")
         if ap.update_every < 1:
             raise ValueError(f"update_every={ap.update_every}: must be >= 1")
         table = {

@@ -349,11 +349,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 for fp64 references)
         # torch.pow(., -0.5), not rsqrt: transformers' choice, kept for bitwise agreement
         y = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
-            y = y * self.weight.float()
+            y = y * self.weight.to(x32.dtype)
         return y.type_as(x)
 
 
@@ -445,7 +445,7 @@ class Attention(nn.Module):
         vals = vals.repeat_interleave(rep, dim=1)                                        # (B, N, S, D)
         att = q @ keys.transpose(-2, -1)                     # (B, N, L, S); scale 1.0: q/k norms set the scale
         att = att.masked_fill(~mask[:, None], float("-inf"))
-        att = torch.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+        att = torch.softmax(att, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
         y = (att @ vals).transpose(1, 2).reshape(B, L, self.n_head * self.head_dim)      # (B, L, N*D)
         return self.o_proj(y), k, v
 
@@ -479,7 +479,7 @@ class Router(nn.Module):
     def forward(self, h_TH: torch.Tensor):
         """h (T, H) -> ids (T, K) int64, weights (T, K) fp32 (renormalised, then per-expert scaled)."""
         x = self.norm(h_TH) * self.scale * self.root
-        probs = torch.softmax(self.proj(x), dim=-1, dtype=torch.float32)               # (T, E)
+        probs = torch.softmax(self.proj(x), dim=-1, dtype=torch.promote_types(x.dtype, torch.float32))  # (T, E)
         w, ids = torch.topk(probs, k=self.k, dim=-1)                                    # (T, K)
         w = w / w.sum(dim=-1, keepdim=True)
         return ids, w * self.per_expert_scale[ids]

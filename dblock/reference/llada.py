@@ -28,8 +28,14 @@ import torch.nn.functional as F
 from dblock.config import ModelConfig
 
 
+def up32(dtype: torch.dtype) -> torch.dtype:
+    """The precision numerically sensitive steps run in: fp32, or fp64 when the model itself is fp64 (references)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) computed in fp32, cast back, times weight (HF LLaDA / Llama convention)."""
+    """x * rsqrt(mean(x^2) + eps) computed in fp32 (fp64 for fp64 models), cast back, times weight (HF LLaDA /
+    Llama convention)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -38,7 +44,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
+        x32 = x.to(up32(dtype))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
@@ -98,7 +104,7 @@ class Attention(nn.Module):
         rep = self.n_head // self.n_kv
         keys = keys.repeat_interleave(rep, dim=1)                         # (B, N, S, D)
         vals = vals.repeat_interleave(rep, dim=1)                         # (B, N, S, D)
-        att = (q @ keys.transpose(-2, -1)).float() / math.sqrt(self.head_dim)  # (B, N, L, S) fp32
+        att = (q @ keys.transpose(-2, -1)).to(up32(q.dtype)) / math.sqrt(self.head_dim)  # (B, N, L, S) fp32
         att = att.masked_fill(~mask[:, None], float("-inf"))
         att = torch.softmax(att, dim=-1).to(vals.dtype)
         y = att @ vals                                                     # (B, N, L, D)
@@ -168,7 +174,8 @@ class MoE(nn.Module):
         self.shared = DenseMLP(H, I * n_sh) if n_sh else None
 
     def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TH.float(), self.gate.weight.float())            # (T, E) fp32, as both HF gates do
+        acc = up32(x_TH.dtype)                                              # fp32 as both HF gates (fp64 refs: fp64)
+        return F.linear(x_TH.to(acc), self.gate.weight.to(acc))             # (T, E)
 
     def route(self, x_TH: torch.Tensor):
         logits = self.router_logits(x_TH)
@@ -181,7 +188,7 @@ class MoE(nn.Module):
 
     def routed(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         """Sum over k of w[t,k] * Expert[ids[t,k]](x[t]): one pass per expert over the tokens that chose it."""
-        acc = torch.promote_types(x_TH.dtype, torch.float32)              # fp32, or fp64 for fp64 references
+        acc = up32(x_TH.dtype)
         out = torch.zeros(x_TH.shape, dtype=acc, device=x_TH.device)
         for e in ids_TK.unique().tolist():
             tok, slot = (ids_TK == e).nonzero(as_tuple=True)
@@ -245,4 +252,4 @@ class LladaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head, returned in fp32 (decisions are made in fp32; fp64 models keep fp64)."""
         z = self.lm_head(self.norm(hidden))
-        return z.to(torch.promote_types(z.dtype, torch.float32))
+        return z.to(up32(z.dtype))

@@ -1,0 +1,12 @@
+"""The equivalence suite (SPEC §5): differential testing of the optimized executor against the reference.
+
+  margins.py     decision margins Γ (SPEC) and Γ* (exact, tight) for the threshold and fixed-k rules; the
+                 entropy-bound rule's decision check under shared randomness
+  shadow.py      `ShadowForward`: teacher-forced comparison at every pass on identical inputs
+  invariants.py  staleness, coverage, support-only routing, block-boundary clearing, newly-decoded-never-served,
+                 LM head for every live row — pure checks over the executor's audit records
+  staleness.py   the staleness curve (cosine of cached vs fresh routed outputs by age, decoded vs live rows)
+  degenerate.py  exact degenerate settings: full_compute ≡ reference, paired-block proposition, world-size
+  report.py      the `dblock verify` report, its text rendering and the exit-status rules
+  verify.py      `run_verify`, the library entry behind `dblock verify` (cli.py)
+"""

@@ -1,0 +1,181 @@
+"""`dblock verify`: differential testing of the optimized executor against the reference (the equivalence room's
+command; `dblock.cli` imports this module).
+
+    dblock verify --model tiny-masked --task arith --n 20                      # report, exit 0 when all holds
+    dblock verify --model tiny-masked --task arith --n 20 --json > report.json
+    dblock verify --model M --prompts prompts.txt --schedule oba --epoch-config no_atlas
+    dblock verify --model tiny-masked --task arith --inject-fault stale-cache  # self-check: must exit 1, naming it
+    dblock verify --model tiny-masked --task arith --staleness-curve --plot staleness.png
+    dblock verify --model tiny-masked --task arith --check all --world-sizes 1,2,4
+
+Exit status: 0 all invariants hold and decisions agree within --max-disagreement; 1 an invariant broke (named), too
+many decision disagreements, or a degenerate check failed; 3 an injected fault was NOT caught (the self-check
+failed); 2 usage or loading errors. Details in `dblock.equivalence.report`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from dblock.cli import add_decode_args, add_executor_args, add_model_args, decode_config, load_model
+
+CHECKS = ("full-compute", "paired-block", "world-size")
+
+
+def _world_sizes(s: str) -> list:
+    try:
+        out = [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: give comma-separated integers, e.g. 1,2,4") from None
+    if not out or any(w < 1 for w in out):
+        raise argparse.ArgumentTypeError(f"{s!r}: world sizes must be >= 1")
+    return out
+
+
+def add_parser(subparsers):
+    from dblock.equivalence.report import APPROX_MAX_DISAGREEMENT, FAULTS
+    p = subparsers.add_parser(
+        "verify", help="differential test of the optimized executor against the reference (exit 1 on violations)",
+        description="Teacher-forced shadow comparison of the optimized (Epoch) executor against the dense "
+                    "reference on the same inputs at every pass: logits and routed-output differences per layer, "
+                    "decision margins and agreement, every margin violation, cache ages, Expert Atlas coverage, "
+                    "invariants (staleness, coverage, support-only routing, block-boundary clearing, "
+                    "newly-decoded-never-served, LM head for every live row), end-to-end token agreement and "
+                    "accuracy. Exit status 0 when everything holds, 1 when an invariant breaks or decisions "
+                    "disagree beyond --max-disagreement, 3 when an injected fault goes uncaught.")
+    add_model_args(p)
+    src = p.add_argument_group("workload (give --task or --prompts)")
+    src.add_argument("--task", default=None, help="graded task for prompts and accuracy, e.g. arith")
+    src.add_argument("--n", type=int, default=20, help="task problems to decode (default 20)")
+    src.add_argument("--split", default="test", help="task split (default test)")
+    src.add_argument("--prompts", default=None,
+                     help="file with one prompt per line: text (needs the model's tokenizer.json) or comma-separated "
+                          "token ids; or a JSON list of strings / id lists")
+    add_decode_args(p)
+    add_executor_args(p)
+    p.set_defaults(executor="epoch")
+    v = p.add_argument_group("verification")
+    v.add_argument("--json", action="store_true", help="print the whole report as one JSON object")
+    v.add_argument("--out", default=None, help="also write the JSON report to this file")
+    v.add_argument("--max-disagreement", type=float, default=None,
+                   help="largest tolerated share of live-row decisions that differ from the reference on the same "
+                        f"inputs (default 0 for full_compute/dense, {APPROX_MAX_DISAGREEMENT} for the approximate "
+                        "configurations epoch/no_atlas/no_lsp)")
+    v.add_argument("--inject-fault", action="append", default=[], choices=sorted(FAULTS),
+                   help="self-check of the checker: run a deliberately broken executor (repeatable); verify must "
+                        "exit 1 naming the violation (" + ", ".join(f"{k} -> {w}" for k, w in FAULTS.items()) + ")")
+    v.add_argument("--staleness-curve", action="store_true",
+                   help="cosine of cached vs fresh routed-expert outputs by age, decoded vs live rows: table + PNG")
+    v.add_argument("--max-age", type=int, default=8, help="staleness curve: largest age k (default 8)")
+    v.add_argument("--plot", default="staleness_curve.png",
+                   help="staleness curve PNG path (default staleness_curve.png)")
+    v.add_argument("--check", action="append", default=[], choices=CHECKS + ("all",),
+                   help="degenerate exactness checks (repeatable): full-compute (= reference tokens), paired-block "
+                        "(OBA current block = the block alone, fp64), world-size (expert parallelism W vs 1)")
+    v.add_argument("--world-sizes", type=_world_sizes, default=[1, 2, 4],
+                   help="world-size check: gloo world sizes (default 1,2,4)")
+    v.add_argument("--no-probe", action="store_true",
+                   help="skip the liveness probe (fixed-k, one position per pass, exercises cache ages up to M_C-1)")
+    v.add_argument("--no-e2e", action="store_true", help="skip the separate end-to-end reference run")
+    v.add_argument("--batch-size", type=int, default=None, help="requests per forward (default: all)")
+    v.add_argument("--limit", type=int, default=20, help="text output: list at most this many items per kind")
+
+
+def read_prompts(path: str, tok) -> list:
+    """Prompts from a file: JSON (list of strings or id lists) or one prompt per line."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--prompts {path}: no such file")
+    text = open(path, encoding="utf-8").read()
+    items = None
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prompts {path}: not valid JSON ({e})") from None
+    else:
+        items = [line.rstrip("\n") for line in text.splitlines() if line.strip()]
+    out = []
+    for i, it in enumerate(items):
+        if isinstance(it, list):
+            out.append([int(x) for x in it])
+        elif isinstance(it, str) and it.replace(",", "").replace(" ", "").isdigit():
+            out.append([int(x) for x in it.replace(" ", "").split(",") if x])
+        elif isinstance(it, str):
+            if tok is None:
+                raise ValueError(f"--prompts {path} line {i + 1}: text prompt but the model has no tokenizer.json; "
+                                 "give comma-separated token ids")
+            out.append(tok.encode(it))
+        else:
+            raise ValueError(f"--prompts {path}: item {i + 1} is neither text nor a list of ids")
+    if not out:
+        raise ValueError(f"--prompts {path}: no prompts")
+    return out
+
+
+def _verify(args) -> int:
+    from dblock.equivalence.report import format_report
+    from dblock.equivalence.verify import run_verify
+
+    if (args.task is None) == (args.prompts is None):
+        raise ValueError("give exactly one of --task T (with --n N) or --prompts FILE")
+    if args.n <= 0:
+        raise ValueError(f"--n {args.n}: must be a positive integer")
+    if args.max_age < 1:
+        raise ValueError(f"--max-age {args.max_age}: must be >= 1")
+    model = load_model(args)
+    dec = decode_config(args, model.config.family)
+    task = examples = tok = None
+    if args.task is not None:
+        from dblock.tasks import get_task
+        from dblock.tasks.evaluate import TokenizerAdapter
+        task = get_task(args.task)
+        tok = TokenizerAdapter.from_folder(model.source)
+        examples = task.examples(args.split, args.n)
+        prompts = [tok.encode(e.prompt) for e in examples]
+    else:
+        from dblock.cli import load_tokenizer
+        hf = load_tokenizer(model)
+        prompts = read_prompts(args.prompts, hf and _Enc(hf))
+    checks = list(CHECKS) if "all" in args.check else list(dict.fromkeys(args.check))
+    epoch_kw = dict(refresh=args.refresh, atlas_alpha=args.atlas_alpha, atlas_q=args.atlas_q,
+                    update_every=args.update_every, use_triton=args.use_triton)
+    if getattr(args, "ep", None) is not None:
+        from dblock.optimized.ep import dispatcher_from_cli
+        epoch_kw["dispatcher"] = dispatcher_from_cli(model, args.ep, args.ep_dispatch, args.device)
+    from dblock.reference.schedules import schedule_spec
+    spec = schedule_spec(args.schedule, args.window, args.gate)
+    quiet = args.json
+    rep = run_verify(model, prompts, dec, spec, executor=args.executor, config=args.epoch_config, epoch_kw=epoch_kw,
+                     faults=args.inject_fault, probe=not args.no_probe, e2e=not args.no_e2e, task=task,
+                     task_examples=examples, tokenizer=tok,
+                     staleness_ages=args.max_age if args.staleness_curve else 0,
+                     plot_path=args.plot if args.staleness_curve else None, checks=checks,
+                     world_sizes=args.world_sizes, max_disagreement=args.max_disagreement,
+                     batch_size=args.batch_size, model_name=args.model,
+                     progress=None if quiet else (lambda m: print(f"verify: {m} ...", file=sys.stderr)))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rep, f, indent=1)
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        print(format_report(rep, limit=args.limit))
+    return rep["exit"]["status"]
+
+
+class _Enc:
+    """A bare `tokenizers.Tokenizer` with the `encode(text) -> ids` the prompt reader needs."""
+
+    def __init__(self, hf):
+        self.hf = hf
+
+    def encode(self, text):
+        return self.hf.encode(text).ids
+
+
+def main(args) -> int:
+    if args.command == "verify":
+        return _verify(args)
+    raise ValueError(f"unknown command {args.command!r}")

@@ -1,0 +1,188 @@
+"""Property tests: Expert Atlas coverage and support-only routing on random scores; the LSP decoded-output cache as a
+state machine under random liveness sequences (the real Epoch executor, judged by `invariants.check_record`)."""
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from dblock.equivalence import invariants as inv
+from dblock.forward import Segment, StepInput, block_causal
+from dblock.optimized.atlas import AtlasParams, build_support, candidates, coverage, route_restricted
+from dblock.optimized.executor import epoch_forward
+from dblock.reference.llada import route_llada2, route_llada_moe
+from dblock.tiny import make_tiny_model, tiny_config
+
+# ---- Expert Atlas on random score matrices ----------------------------------------------------------------------
+
+ROUTERS = {
+    "sigmoid-grouped": dict(family="llada2_moe"),                         # E 16, K 4, 4 groups keep 2
+    "sigmoid-8x2": dict(family="llada2_moe", num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1),
+    "softmax": dict(family="llada_moe"),                                  # E 8, K 2
+}
+
+
+@st.composite
+def router_case(draw):
+    name = draw(st.sampled_from(sorted(ROUTERS)))
+    cfg = tiny_config(**ROUTERS[name])
+    N = draw(st.integers(1, 24))
+    seed = draw(st.integers(0, 2 ** 31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    scale = draw(st.sampled_from([0.1, 1.0, 4.0]))
+    logits = torch.randn(N, cfg.num_experts, generator=g) * scale
+    bias = 0.1 * torch.randn(cfg.num_experts, generator=g) if cfg.use_expert_bias else None
+    return cfg, logits, bias, g
+
+
+@given(router_case(), st.floats(0.5, 1.0), st.floats(0.0, 1.0), st.integers(1, 16), st.integers(0, 4),
+       st.integers(0, 4), st.floats(0.0, 2.0))
+def test_atlas_success_means_coverage_quota_met(case, alpha, q, B, c, m, beta):
+    cfg, logits, bias, _ = case
+    E, K = cfg.num_experts, cfg.num_experts_per_tok
+    ap = AtlasParams(m=m, alpha=alpha, q=q, B=B, c=c, beta=beta).resolved(E, K)
+    W, I, R = candidates(logits, bias, cfg, ap.m)
+    res = build_support(W, I, R, E, ap)
+    _, U = coverage(W.double(), I, R.double(), res.support, alpha)
+    N = logits.shape[0]
+    if res.success:
+        assert int(U.sum()) <= (1 - q) * N + 1e-9                       # recomputed independently of the build
+        assert res.under == int(U.sum())
+    else:
+        assert res.under > (1 - q) * N - 1e-9
+    assert int(res.support.sum()) >= min(ap.B, E)                          # starts from the B most popular
+
+
+@given(router_case(), st.integers(0, 2 ** 31 - 1), st.sampled_from(["random", "support", "all"]))
+def test_restricted_routing_never_leaves_the_support(case, seed, kind):
+    cfg, logits, bias, g = case
+    N, E = logits.shape
+    if kind == "all":
+        allowed = torch.ones(N, E, dtype=torch.bool)
+    elif kind == "support":
+        W, I, R = candidates(logits, bias, cfg, cfg.num_experts_per_tok)
+        sup = build_support(W, I, R, E, AtlasParams(B=2, q=0.5).resolved(E, cfg.num_experts_per_tok)).support
+        allowed = sup[None].expand(N, E)
+    else:
+        allowed = torch.rand(N, E, generator=torch.Generator().manual_seed(seed)) < 0.4
+    ids, w = route_restricted(logits, bias, cfg, allowed)
+    valid = ids >= 0
+    assert bool(allowed.gather(1, ids.clamp(min=0))[valid].all())       # never outside the support
+    assert bool((w[~valid] == 0).all())                                   # empty slots carry no weight
+    if kind == "all":                                                     # with everything allowed: the router
+        ref_ids, ref_w = (route_llada2 if cfg.score_function == "sigmoid" else route_llada_moe)(logits, bias, cfg)
+        assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+        torch.testing.assert_close(w.gather(1, ids.argsort(-1)), ref_w.gather(1, ref_ids.argsort(-1)))
+
+
+# ---- the LSP cache as a state machine -------------------------------------------------------------------------------
+
+MODEL = make_tiny_model("llada2_moe", seed=11, num_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2)
+MASK = MODEL.config.mask_token_id
+C = 8
+
+
+def segment(tokens, start, block):
+    t = torch.tensor(tokens)
+    live = t == MASK
+    return Segment(block=block, tokens=t, positions=torch.arange(start, start + len(tokens)), live=live,
+                   decoded=~live)
+
+
+class LSPMachine(RuleBasedStateMachine):
+    """Random liveness sequences through the real executor: decode rows, re-mask a row (an odd transition), change
+    a decoded row's token, commit the block (sometimes reusing its (request, block) key), and step. After every
+    pass, every audit record must satisfy the invariants, and the served rows are checked directly too."""
+
+    @initialize(refresh=st.integers(1, 6), config=st.sampled_from(["epoch", "no_atlas"]), prompt=st.integers(0, 7))
+    def setup(self, refresh, config, prompt):
+        self.M = refresh
+        self.f = epoch_forward(MODEL, config, refresh=refresh, audit=True)
+        self.cache = self.f.new_cache()
+        p = list(range(5, 5 + C))
+        self.f.append([StepInput(0, [segment(p, 0, 0)], block_causal(1), self.cache)])
+        self.block, self.start = 1, C
+        self.tokens = [(10 + i) if i < prompt else MASK for i in range(C)]   # prompt tail rows are decoded
+        self.block_pass = 0
+        self.prev_decoded = set(i for i, t in enumerate(self.tokens) if t != MASK)
+        self.steps = 0
+
+    @rule(data=st.data())
+    def decode_and_step(self, data):
+        live = [i for i, t in enumerate(self.tokens) if t == MASK]
+        if live:
+            rows = data.draw(st.sets(st.sampled_from(live), max_size=min(2, len(live))))
+            for r in rows:
+                self.tokens[r] = 20 + r
+        self.step()
+
+    @rule(data=st.data())
+    def remask(self, data):
+        dec = [i for i, t in enumerate(self.tokens) if t != MASK]
+        if dec:
+            self.tokens[data.draw(st.sampled_from(dec))] = MASK
+
+    @rule(data=st.data())
+    def change_token(self, data):
+        dec = [i for i, t in enumerate(self.tokens) if t != MASK]
+        if dec:
+            r = data.draw(st.sampled_from(dec))
+            self.tokens[r] = 40 + (self.tokens[r] % 7)
+
+    @precondition(lambda self: self.block_pass > 0)
+    @rule(reuse=st.booleans())
+    def commit(self, reuse):
+        self.f.end_block(0, self.block)
+        assert (0, self.block) not in self.f.plans, "a block plan survived its commit"
+        if not reuse:                       # the next block on the grid (reuse: the same key starts over)
+            done = [t if t != MASK else 1 for t in self.tokens]
+            self.f.append([StepInput(0, [segment(done, self.start, self.block)], block_causal(1), self.cache)])
+            self.block, self.start = self.block + 1, self.start + C
+        self.tokens = [MASK] * C
+        self.block_pass = 0
+
+    @rule()
+    def step(self):
+        a0 = len(self.f.audit)
+        out = self.f.denoise([StepInput(0, [segment(self.tokens, self.start, self.block)], block_causal(1),
+                                        self.cache)])
+        n_live = sum(t == MASK for t in self.tokens)
+        assert out[0][0].shape[0] == n_live
+        decoded_now = set(i for i, t in enumerate(self.tokens) if t != MASK)
+        for rec in self.f.audit[a0:]:
+            assert inv.check_record(rec, self.block_pass) == []
+            for r, age in zip(rec["served_rows"], rec["served_ages"]):
+                assert 1 <= age <= self.M - 1                     # never an entry of age >= M_C
+                assert r in decoded_now                           # never a live row
+                if self.block_pass == 0 or rec["plan_pass"] == 0:
+                    raise AssertionError("a block's first pass served a cache entry: it crossed a block")
+            assert not set(rec["served_rows"]) & set(rec["newly_decoded"])   # never a newly decoded row
+            if self.block_pass > 0:                               # newly decoded = decoded now, not on the last pass
+                expected_newly = decoded_now - self.prev_decoded
+                if rec["path"] != "fallback":
+                    assert set(rec["newly_decoded"]) == expected_newly
+        for rec in self.f.audit_heads[-1:]:
+            assert inv.check_head(rec) == []
+        self.prev_decoded = decoded_now
+        self.block_pass += 1
+        self.steps += 1
+
+    @invariant()
+    def ages_bounded(self):
+        if hasattr(self, "f"):
+            assert all(a <= self.M - 1 for a in self.f.age_hist)
+
+
+LSPMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None, derandomize=True)
+TestLSPCacheStateMachine = LSPMachine.TestCase
+
+
+def test_state_machine_reaches_the_cache():
+    """The machine's sequences really exercise cache reads at the age bound (else it would prove nothing)."""
+    f = epoch_forward(MODEL, "no_atlas", refresh=4, audit=True)
+    cache = f.new_cache()
+    f.append([StepInput(0, [segment(list(range(5, 13)), 0, 0)], block_causal(1), cache)])
+    tokens = [MASK] * C
+    for i in range(C):
+        f.denoise([StepInput(0, [segment(tokens, C, 1)], block_causal(1), cache)])
+        tokens[i] = 20 + i
+    assert max(f.age_hist) == 3 and inv.check_executor(f) == []
