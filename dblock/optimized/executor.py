@@ -56,6 +56,16 @@ class TorchStages:
         """Logits of the live rows only (decoded rows feed no decision)."""
         return model.logits(hidden_LH[live_L])
 
+    def compact(self, x_TH, idx_F):
+        """The fresh rows, in index order -> (F, H)."""
+        return x_TH[idx_F]
+
+    def scatter(self, y_FH, idx_F, T):
+        """Fresh rows back to their places among T rows, other rows zero -> (T, H)."""
+        y_TH = y_FH.new_zeros(T, y_FH.shape[1])
+        y_TH[idx_F] = y_FH
+        return y_TH
+
 
 @dataclass
 class Rows:
@@ -206,7 +216,7 @@ class EpochExecutor(Forward):
         need = fresh.clone()
         for p in build:
             need[R.plan_rows[p]] = True
-        logits_T = torch.zeros(T, E, dtype=torch.float32)
+        logits_T = torch.zeros(T, E, dtype=torch.promote_types(xn.dtype, torch.float32))
         idx_need = need.nonzero(as_tuple=True)[0]
         if idx_need.numel():
             logits_T[idx_need] = moe.router_logits(xn_T[idx_need])
@@ -233,7 +243,7 @@ class EpochExecutor(Forward):
             layer_paths[path] += 1
         # 4) compact the fresh rows of the whole batch and route them within their block's support
         idx_F = fresh.nonzero(as_tuple=True)[0]                              # (F,)
-        x_F = xn_T[idx_F]                                                    # (F, H)
+        x_F = self.stages.compact(xn_T, idx_F)                               # (F, H)
         allowed = torch.ones(idx_F.numel(), E, dtype=torch.bool)
         support_sizes = []
         for p, plan in enumerate(R.plans):
@@ -243,11 +253,13 @@ class EpochExecutor(Forward):
                 allowed[R.plan[idx_F] == p] = sup
         ids, w = self.stages.route(logits_T[idx_F], bias, self.config, allowed)
         # 5) FreshLane: experts over the short worklist
+        extra = {}
+        if getattr(self.dispatcher, "wants_all_rows", False):     # ep.EPDispatcher (issue 10)
+            extra = self._route_all_rows(li, moe, xn_T, logits_T, need, idx_F, ids, w, R)
         y_F, comm = self.dispatcher.run(
-            x_F, ids, w, lambda x, i, wt: self.stages.experts(x, i, wt, moe.w_gate, moe.w_up, moe.w_down))
+            x_F, ids, w, lambda x, i, wt: self.stages.experts(x, i, wt, moe.w_gate, moe.w_up, moe.w_down), **extra)
         # 6) merge: fresh rows from the experts, stable decoded rows from the cache; write decoded fresh rows
-        y_T = torch.zeros(T, H, dtype=xn.dtype)
-        y_T[idx_F] = y_F.to(xn.dtype)
+        y_T = self.stages.scatter(y_F.to(xn.dtype), idx_F, T)
         served = 0
         for p, rows_T, ages in serve:
             if fresh[rows_T].any():     # the layer fell back after all
@@ -283,6 +295,31 @@ class EpochExecutor(Forward):
         self._comm.add(comm)
         return out.view(B, L, H)
 
+    def _route_all_rows(self, li, moe, xn_T, logits_T, need, idx_F, ids_F, w_F, R: Rows) -> dict:
+        """Every valid row of the call routed within its block's support, for a dispatcher that owns rows by
+        position in the full shard and runs or counts the dense dispatch (`dblock.optimized.ep`). Fresh rows keep
+        the routing computed above (bit for bit); the other rows' router logits are computed here."""
+        T, E = logits_T.shape
+        rest = torch.ones(T, dtype=torch.bool)
+        rest[idx_F] = False
+        idx_S = rest.nonzero(as_tuple=True)[0]
+        ids_T = torch.full((T, ids_F.shape[1]), -1, dtype=ids_F.dtype, device=ids_F.device)
+        w_T = torch.zeros((T, w_F.shape[1]), dtype=w_F.dtype, device=w_F.device)
+        ids_T[idx_F], w_T[idx_F] = ids_F, w_F
+        if idx_S.numel():
+            miss = idx_S[~need[idx_S]]
+            lg = logits_T.clone()
+            if miss.numel():
+                lg[miss] = moe.router_logits(xn_T[miss])
+            allowed = torch.ones(idx_S.numel(), E, dtype=torch.bool)
+            for p, plan in enumerate(R.plans):
+                sup = plan.layer(li).support
+                if sup is not None and "route-outside-support" not in self.ecfg.inject:
+                    allowed[R.plan[idx_S] == p] = sup
+            ids_S, w_S = self.stages.route(lg[idx_S], moe.expert_bias, self.config, allowed)
+            ids_T[idx_S], w_T[idx_S] = ids_S.to(ids_T.device), w_S.to(w_T.device)
+        return {"x_all": xn_T, "ids_all": ids_T, "w_all": w_T, "idx_fresh": idx_F}
+
     def _audit(self, li, R: Rows, fresh, serve, idx_F, ids) -> None:
         served = {p: (rows, ages) for p, rows, ages in serve if not fresh[rows].any()}
         for p, plan in enumerate(R.plans):
@@ -315,7 +352,9 @@ class EpochExecutor(Forward):
         B, L = tokens.shape
         past = stack_past(items, self.config.num_hidden_layers, mask.shape[2] - L)
         R = self._plan_rows(items, L)
-        self._layer_stats, self._comm, moe_s = [], CommStats(), 0.0
+        # a dispatcher may keep richer per-pass stats (ep.EPStats: per rank, FreshLane and dense)
+        new_stats = getattr(self.dispatcher, "new_stats", CommStats)
+        self._layer_stats, self._comm, moe_s = [], new_stats(), 0.0
         x = model.embed(tokens)                                              # (B, L, H)
         for li, layer in enumerate(model.layers):
             pk, pv = past[li] if past is not None else (None, None)
@@ -350,7 +389,8 @@ class EpochExecutor(Forward):
             "moe_s": moe_s, "executor_s": time.perf_counter() - t0,
             "fresh": sum(s["fresh"] for s in self._layer_stats) / n_moe,
             "layers": self._layer_stats,
-            "comm": {"dispatch_rows": self._comm.dispatch_rows, "dispatch_bytes": self._comm.dispatch_bytes,
+            "comm": self._comm.as_dict() if hasattr(self._comm, "as_dict") else
+                    {"dispatch_rows": self._comm.dispatch_rows, "dispatch_bytes": self._comm.dispatch_bytes,
                      "combine_bytes": self._comm.combine_bytes, "messages": self._comm.messages},
         }
         for s in self._layer_stats:
@@ -360,14 +400,19 @@ class EpochExecutor(Forward):
 
 
 def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, atlas_q=None, update_every=None,
-                  use_triton: bool = False, dispatcher=None, audit: bool = False, inject=()) -> Forward:
-    """The optimized executor in one of its configurations over `model`'s weights (`dense` = the reference)."""
+                  use_triton: bool = False, dispatcher=None, audit: bool = False, inject=(), atlas_m=None,
+                  atlas_B=None, atlas_beta=None, atlas_c=None) -> Forward:
+    """The optimized executor in one of its configurations over `model`'s weights (`dense` = the reference).
+
+    Atlas knobs (None = default, see `AtlasParams`): alpha coverage floor, q covered-token quota, m extra
+    candidates, B initial support size, beta mixing weight, c experts added per repair round, update_every."""
     if config == "dense":
         if use_triton:
             raise ValueError("--use-triton applies to the epoch configurations, not dense")
         from dblock.reference.generate import reference_forward
         return reference_forward(model)
-    cfg = EpochConfig.named(config, refresh=refresh, alpha=atlas_alpha, q=atlas_q, update_every=update_every)
+    cfg = EpochConfig.named(config, refresh=refresh, alpha=atlas_alpha, q=atlas_q, update_every=update_every,
+                            m=atlas_m, B=atlas_B, beta=atlas_beta, c=atlas_c)
     cfg.use_triton = use_triton
     cfg.inject = frozenset(inject)
     return EpochExecutor(model, cfg, dispatcher=dispatcher, audit=audit)
