@@ -14,12 +14,23 @@ decides interpreter vs compiler when `@triton.jit` decorates a function (triton 
 read from the environment variable TRITON_INTERPRET at that moment), so the variable is set here, before any
 kernel module is imported. With CUDA present the kernels are compiled unless TRITON_INTERPRET=1 was set by the
 caller (the CPU tests do that). Decorated functions keep the mode they were created with, so the mode of a
-process is fixed by the first import of this package: `INTERPRET` says which.
+process is fixed by the first import of this package: `INTERPRET` says which. torch may have imported triton
+before this package (see `_interpreter_stdlib`), so the variable alone is not enough: triton.language's own
+@jit functions are re-created in interpreter mode when that happened.
 
-Interpreter traps (triton-lang/triton#11584): bf16 arithmetic, `tl.sum` and `tl.dot` on bf16 are wrong, the
-fp32->bf16 cast at store truncates instead of rounding. Every kernel therefore loads, upcasts to fp32 where it
-computes (`F32` constexpr: always under the interpreter and for fp32 inputs), and casts only at the store. On a GPU
-16-bit operands go to `tl.dot` as they are (products of bf16 numbers are exact in fp32, accumulation is fp32).
+Interpreter traps (triton 3.9):
+  * bf16 arithmetic, `tl.sum` and `tl.dot` on bf16 are wrong (triton-lang/triton#11584) and the fp32->bf16 cast at
+    store truncates instead of rounding. Every kernel loads, upcasts to fp32 where it computes (`F32` constexpr:
+    always under the interpreter and for fp32 inputs, with IEEE dots), and casts only at the store. On a GPU 16-bit
+    operands go to `tl.dot` as they are (products of bf16 numbers are exact in fp32, accumulation is fp32).
+  * triton.language's own @jit functions are fixed at triton's import (see `_interpreter_stdlib`).
+  * a scalar built from a loop variable (`t >= n`) is rejected as a load mask ("mask has unsupported dtype"):
+    broadcast it to a vector first.
+  * the interpreter pays per operation (~0.1-0.3 ms each), not per element, and re-patches triton.language on
+    every call of a nested @jit function: kernels inline their helpers, and launchers pick larger tiles and exact
+    grids (no surplus programs) under the interpreter. The interpreter also has no minimum `tl.dot` size, unlike
+    a GPU (K >= 16 for 16-bit operands): `attention.pick_tile` keeps that floor for compiled runs.
+  * tracebacks point at shifted lines (the interpreter re-parses kernel sources).
 """
 from __future__ import annotations
 
@@ -37,7 +48,43 @@ try:
     HAVE_TRITON = True
 except ImportError:                                       # pragma: no cover - triton is an extra
     triton = None
+    tl = None
     HAVE_TRITON = False
+
+
+def _interpreter_stdlib() -> bool:
+    """Make triton.language's own @jit functions (tl.max, tl.sum, tl.cumsum, tl.sigmoid, ...) interpreted.
+
+    Trap: torch imports triton on its own (e.g. `torch._refs` -> `torch._dynamo` -> `torch._inductor` when a model
+    is built under a device context, as `dblock.load` does), so triton.language may already be imported, its
+    standard library decorated as compiled JITFunctions, before this package could set TRITON_INTERPRET. Inside
+    an interpreted kernel those raise "Cannot call @triton.jit'd outside of the scope of a kernel". Re-executing
+    the two modules that hold such functions under the interpreter setting and rebinding their names in
+    triton.language repairs that (the modules re-register their tensor member functions themselves).
+    Returns True when something was rebound.
+    """
+    import importlib
+    import inspect
+
+    from triton.runtime.jit import JITFunction
+    std = tl.standard
+    if not isinstance(std.max, JITFunction) or type(std.max).__name__ == "InterpretedFunction":
+        return False
+    changed = False
+    for name in ("standard", "random"):
+        mod = importlib.import_module(f"triton.language.{name}")
+        old = {k: v for k, v in vars(mod).items() if isinstance(v, JITFunction)}
+        importlib.reload(mod)
+        for owner in (tl, tl.core):
+            for k, v in list(vars(owner).items()):
+                if k in old and v is old[k] and not inspect.ismodule(v):
+                    setattr(owner, k, getattr(mod, k))
+                    changed = True
+    return changed
+
+
+if HAVE_TRITON and triton.knobs.runtime.interpret:
+    _interpreter_stdlib()
 
 
 def interpret_mode() -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dblock.kernels import check, check_runnable, next_pow2, triton, tl
+from dblock.kernels import INTERPRET, check, check_runnable, next_pow2, triton, tl
 
 NEG = float("-inf")
 
@@ -71,7 +71,8 @@ def route_torch(logits_FE: torch.Tensor, bias_E, allowed_FE: torch.Tensor, top_k
 if triton is not None:
     @triton.jit
     def route_kernel(logits_ptr, bias_ptr, allowed_ptr, ids_ptr, w_ptr, F, stride_lf, stride_af, scale,
-                     E: tl.constexpr, K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                     E: tl.constexpr, K: tl.constexpr, N_GROUP: tl.constexpr, GS: tl.constexpr,
+                     TOPK_GROUP: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
                      BLOCK_F: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
         """One program per BLOCK_F rows; a row's E scores live in one (BLOCK_F, BLOCK_E) tile."""
@@ -98,7 +99,6 @@ if triton is not None:
             b = s
         b = tl.where(ok & cmask[None, :], b, float("-inf"))                 # restrict BEFORE group scoring
         if SIGMOID and N_GROUP > 1:
-            GS: tl.constexpr = E // N_GROUP
             gcols = tl.arange(0, BLOCK_G)
             gs = tl.full((BLOCK_F, BLOCK_G), float("-inf"), tl.float32)
             for g in tl.static_range(N_GROUP):
@@ -168,11 +168,13 @@ def route_triton(logits_FE: torch.Tensor, bias_E, allowed_FE: torch.Tensor, top_
     check_runnable(logits_FE.device)
     allowed_u8 = allowed_FE.view(torch.uint8) if allowed_FE.dtype == torch.bool else allowed_FE
     BLOCK_E = next_pow2(E)
-    BLOCK_F = block_f or max(1, min(next_pow2(F), 4096 // BLOCK_E, 32))
+    cap = 16384 if INTERPRET else 4096      # elements per tile; the interpreter pays per op, so one program
+    BLOCK_F = block_f or max(1, min(next_pow2(F), cap // BLOCK_E, 256 if INTERPRET else 32))
     grid = (triton.cdiv(F, BLOCK_F),)
     route_kernel[grid](logits_FE, bias_E if bias_E is not None else logits_FE, allowed_u8, ids, w, F,
                        logits_FE.stride(0), allowed_u8.stride(0), float(scale),
-                       E=E, K=top_k, N_GROUP=n_group if sigmoid else 1, TOPK_GROUP=topk_group,
+                       E=E, K=top_k, N_GROUP=n_group if sigmoid else 1,
+                       GS=E // n_group if sigmoid and n_group > 1 else E, TOPK_GROUP=topk_group,
                        HAS_BIAS=bias_E is not None, SIGMOID=sigmoid, RENORM=renormalize,
                        BLOCK_F=BLOCK_F, BLOCK_E=BLOCK_E, BLOCK_G=next_pow2(max(n_group, 1)),
                        BLOCK_K=next_pow2(top_k))

@@ -109,7 +109,7 @@ class SupportResult:
 def build_support(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, E: int, p: AtlasParams) -> SupportResult:
     """SPEC §4.2 greedy construction over one block's candidate graph (W, I: (N, J); R: (N,))."""
     N = W.shape[0]
-    W, R = W.double(), R.double()
+    W, I, R = W.double().cpu(), I.cpu(), R.double().cpu()     # the planner runs on the host (block clock)
     target = p.alpha * R                                             # r_t
     onehot = torch.zeros(N, W.shape[1], E, dtype=torch.float64)
     onehot.scatter_(2, I[:, :, None], 1.0)

@@ -189,7 +189,7 @@ class EpochExecutor(Forward):
         for p, plan in enumerate(R.plans):
             lp = plan.layer(li)
             if lp.cache is None or lp.cache.values.shape[0] != plan.N:
-                lp.cache = LayerCache.empty(plan.N, H, xn.dtype, "cpu")
+                lp.cache = LayerCache.empty(plan.N, H, xn.dtype, xn.device)
             rows_T = R.plan_rows[p]
             stale = rows_T[~fresh[rows_T]]
             if stale.numel():
@@ -216,7 +216,8 @@ class EpochExecutor(Forward):
         need = fresh.clone()
         for p in build:
             need[R.plan_rows[p]] = True
-        logits_T = torch.zeros(T, E, dtype=torch.promote_types(xn.dtype, torch.float32))
+        dev = xn.device          # activations live with the model; liveness bookkeeping stays on the host
+        logits_T = torch.zeros(T, E, dtype=torch.promote_types(xn.dtype, torch.float32), device=dev)
         idx_need = need.nonzero(as_tuple=True)[0]
         if idx_need.numel():
             logits_T[idx_need] = moe.router_logits(xn_T[idx_need])
@@ -244,13 +245,13 @@ class EpochExecutor(Forward):
         # 4) compact the fresh rows of the whole batch and route them within their block's support
         idx_F = fresh.nonzero(as_tuple=True)[0]                              # (F,)
         x_F = self.stages.compact(xn_T, idx_F)                               # (F, H)
-        allowed = torch.ones(idx_F.numel(), E, dtype=torch.bool)
+        allowed = torch.ones(idx_F.numel(), E, dtype=torch.bool, device=dev)
         support_sizes = []
         for p, plan in enumerate(R.plans):
             sup = plan.layer(li).support
             support_sizes.append(E if sup is None else int(sup.sum()))
             if sup is not None and "route-outside-support" not in self.ecfg.inject:
-                allowed[R.plan[idx_F] == p] = sup
+                allowed[(R.plan[idx_F] == p).to(dev)] = sup.to(dev)
         ids, w = self.stages.route(logits_T[idx_F], bias, self.config, allowed)
         # 5) FreshLane: experts over the short worklist
         extra = {}
@@ -279,13 +280,13 @@ class EpochExecutor(Forward):
         if self.audit is not None:
             self._audit(li, R, fresh, serve, idx_F, ids)
         if self.taps is not None:  # equivalence suite: routed output per row, after merge, before the shared expert
-            full = torch.zeros(B * L, H, dtype=xn.dtype)
+            full = torch.zeros(B * L, H, dtype=xn.dtype, device=dev)
             full[R.flat] = y_T
             self.taps.setdefault("routed", []).append(full.view(B, L, H))
             self.taps.setdefault("moe_in", []).append(xn)
         if moe.shared is not None:
             y_T = y_T + moe.shared(xn_T)
-        out = torch.zeros(B * L, H, dtype=xn.dtype)
+        out = torch.zeros(B * L, H, dtype=xn.dtype, device=dev)
         out[R.flat] = y_T
         self._layer_stats.append({"layer": li, "fresh": int(idx_F.numel()), "cached": served,
                                   "support": sum(support_sizes) / max(1, len(support_sizes)),
@@ -311,11 +312,11 @@ class EpochExecutor(Forward):
             lg = logits_T.clone()
             if miss.numel():
                 lg[miss] = moe.router_logits(xn_T[miss])
-            allowed = torch.ones(idx_S.numel(), E, dtype=torch.bool)
+            allowed = torch.ones(idx_S.numel(), E, dtype=torch.bool, device=xn_T.device)
             for p, plan in enumerate(R.plans):
                 sup = plan.layer(li).support
                 if sup is not None and "route-outside-support" not in self.ecfg.inject:
-                    allowed[R.plan[idx_S] == p] = sup
+                    allowed[(R.plan[idx_S] == p).to(allowed.device)] = sup.to(allowed.device)
             ids_S, w_S = self.stages.route(lg[idx_S], moe.expert_bias, self.config, allowed)
             ids_T[idx_S], w_T[idx_S] = ids_S.to(ids_T.device), w_S.to(w_T.device)
         return {"x_all": xn_T, "ids_all": ids_T, "w_all": w_T, "idx_fresh": idx_F}
