@@ -350,10 +350,9 @@ class Engine:
             b = blocks[r.blocks_seen]
             r.blocks_seen += 1
             prev = r.commits[-1]["t"] if r.commits else r.t_first_pass
-            out = r.run.output_tokens()
-            new = out[r.emitted:]
-            r.emitted = len(out)
             n = b.tokens
+            new = r.run.output_tokens()[r.emitted:r.emitted + n]   # several blocks may commit in one pass
+            r.emitted += len(new)
             rec = dict(t=t, block=b.block, tokens=n, passes=b.passes, warmup_steps=b.warmup_steps,
                        block_time_s=t - prev, itl_s=(t - prev) / n if n else None)
             r.commits.append(rec)
@@ -370,6 +369,7 @@ class Engine:
             self._notify(r, "block", dict(ids=new, index=len(r.commits) - 1, **rec))
 
     def _finish(self, r: EngineRequest, t: float) -> None:
+        r.run.cache = None                                 # the KV cache is freed now, not when the client leaves
         r.status = "finished"
         r.t_finish = t
         r.finish_reason = "stop" if r.run.eos_hit else "length"
@@ -393,6 +393,8 @@ class Engine:
                 self.fwd.end_request(r.id)
             except Exception:                             # pragma: no cover - best effort
                 log.exception("engine: end_request(%s) failed", r.id)
+        if r.run is not None:
+            r.run.cache = None
         r.status = status
         r.t_finish = self.clock()
         if status == "cancelled":
@@ -412,6 +414,8 @@ class Engine:
                     self.fwd.end_request(r.id)
                 except Exception:                         # pragma: no cover
                     pass
+            if r.run is not None:
+                r.run.cache = None
             r.status, r.error, r.t_finish = "failed", message, self.clock()
             self.stats.failed += 1
             self._notify(r, "error", dict(status=status, message=message))
