@@ -169,8 +169,9 @@ def fit_cost(runs: list[Run], cfg: ModelConfig, hw: Hardware, par: cost.Parallel
     rel = np.abs(pred - b) / np.maximum(b, 1e-12)
     ss = float(np.sum((b - b.mean()) ** 2))
     r2 = 1.0 - float(np.sum((b - pred) ** 2)) / ss if ss > 0 else 1.0
-    return CostFit(cost.Calibration(overhead_s=float(coef[1]), scale=float(coef[0]) if coef[0] > 0 else 1.0),
-                   len(y), float(np.median(rel)), r2)
+    # pass_cost returns scale · (roofline + overhead_s · 2L), so the fitted per-sub-block overhead is coef1/scale
+    scale = float(coef[0]) if coef[0] > 0 else 1.0
+    return CostFit(cost.Calibration(overhead_s=float(coef[1]) / scale, scale=scale), len(y), float(np.median(rel)), r2)
 
 
 @dataclass

@@ -157,9 +157,10 @@ class EmpiricalProfile(Profile):
         acceptance; 0 = accepted at promotion, impossible under Native; −1 = never accepted before commit) and
         ``kept``. Events without ``accept_pass`` are skipped; prompt-tail positions should be excluded by the
         writer (they are never decoded)."""
-        out = []
+        out, C = [], 0
         for ev in blocks:
             acc = ev.get("accept_pass")
+            C = max(C, int(ev.get("size") or 0), len(acc or ()))  # the block size, not a prompt-tail block's rows
             if acc is None:
                 continue
             n = float(ev["passes"])
@@ -172,7 +173,7 @@ class EmpiricalProfile(Profile):
                 raise ValueError(f"block event {ev.get('request')}/{ev.get('block')}: kept has {kept.size} "
                                  f"entries for {a.size} accept_pass entries")
             out.append(NativeBlock(n, first, kept))
-        return EmpiricalProfile(out)
+        return EmpiricalProfile(out, C)
 
 
 @dataclass

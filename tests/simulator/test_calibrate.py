@@ -51,7 +51,11 @@ def test_calibrate_recovers_the_generating_values(cal):
     assert cal.alphas["oba"]["naive"] < cal.alphas["oba"]["alpha"]
     # the cost fit finds the machine's scale and per-sub-block overhead
     assert cal.cost_fit.cal.scale == pytest.approx(SCALE, rel=0.02)
-    assert cal.cost_fit.cal.overhead_s == pytest.approx(OVERHEAD, rel=0.05)
+    # Calibration's overhead is applied before the scale (pass_cost = scale · (roofline + overhead · 2L))
+    assert cal.cost_fit.cal.overhead_s * cal.cost_fit.cal.scale == pytest.approx(OVERHEAD, rel=0.05)
+    shape = cost.PassShape(batch=4, block=16, cache_len=100.0)
+    assert cost.pass_cost(CFG, shape, HW, cost.Parallel(), cal.cost_fit.cal).total == pytest.approx(
+        SCALE * cost.pass_cost(CFG, shape, HW).total + OVERHEAD * 2 * CFG.num_hidden_layers, rel=0.05)
     assert cal.delta == pytest.approx(DELTA, abs=0.05)
     # liveness from the per-position lists: the live share over a block's passes lies strictly inside (0, 1)
     assert 0.0 < cal.liveness.live < 1.0 and cal.liveness.live <= cal.liveness.fresh <= 1.0
