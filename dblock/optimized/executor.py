@@ -29,7 +29,7 @@ import torch
 from dblock.forward import Forward, StepInput
 from dblock.optimized.atlas import build_support, candidates, route_restricted
 from dblock.optimized.freshlane import CommStats, LocalDispatcher, grouped_swiglu_torch
-from dblock.optimized.liveness import EMPTY, LayerCache
+from dblock.optimized.liveness import EMPTY, CacheArena
 from dblock.optimized.plan import BlockPlan, EpochConfig
 from dblock.reference.executor import KVCache, LladaReference, build_layout, stack_past
 
@@ -79,6 +79,11 @@ class Rows:
     fresh: torch.Tensor         # block-level fresh set F_i
     plans: list                 # BlockPlan per plan index
     plan_rows: list             # (n_p,) T-indices of each plan's rows, in row order
+    slot: torch.Tensor          # the row's cache slot in the arena (plan base + row)
+    passes: torch.Tensor        # its plan's pass index
+    version: torch.Tensor       # its plan's version
+    newly: torch.Tensor         # newly decoded on this pass (N_i)
+    hot: torch.Tensor           # its plan is on a hot pass (not cold / refresh / fallback)
 
 
 class EpochExecutor(Forward):
@@ -96,6 +101,7 @@ class EpochExecutor(Forward):
         self.reference = LladaReference(model)
         self.dispatcher = dispatcher or LocalDispatcher(self.config.num_experts)
         self.plans: dict = {}
+        self.arena = None                        # CacheArena, made on the first denoising call (dtype, device)
         self.audit = [] if audit else None       # per (pass, block, layer) records for the equivalence suite
         self.audit_heads = [] if audit else None  # per (pass, block) rows the LM head ran for (equivalence suite)
         self.taps = None                         # equivalence suite: a dict -> per MoE layer "routed", "moe_in"
@@ -120,11 +126,20 @@ class EpochExecutor(Forward):
         self.reference.append(items)
 
     def end_block(self, request, block) -> None:
-        self.plans.pop((request, block), None)
+        self._drop(self.plans.pop((request, block), None))
 
     def end_request(self, request) -> None:
         for key in [k for k in self.plans if k[0] == request]:
-            del self.plans[key]
+            self._drop(self.plans.pop(key))
+
+    def _drop(self, plan) -> None:
+        if plan is not None and plan.base is not None and self.arena is not None:
+            self.arena.free(plan.base, plan.N)
+            plan.base = None
+
+    def plan_cache(self, plan, li: int):
+        """A plan's decoded-output cache entries at MoE layer `li` (views into the arena; tests and reports)."""
+        return self.arena.view(li, plan.base, plan.N)
 
     def stats(self) -> dict:
         return {"paths": dict(self.totals), "cache_age_hist": dict(sorted(self.age_hist.items())),
@@ -134,10 +149,15 @@ class EpochExecutor(Forward):
         return self._last
 
     # ---- planning -----------------------------------------------------------------------------------------
-    def _plan_rows(self, items: list[StepInput], L: int) -> Rows:
+    def _plan_rows(self, items: list[StepInput], L: int, H: int, dtype) -> Rows:
+        if self.arena is None:
+            self.arena = CacheArena(self.config.moe_layers, H, dtype, self.device)
         flat, plan_ix, row_ix, tok, dec = [], [], [], [], []
         plans, plan_rows = [], []
         T = 0
+        refresh = self.ecfg.refresh
+        if "stale-cache" in self.ecfg.inject:    # fault: the refresh clock never fires, entries age past M_C
+            refresh = 1 << 30
         for b, it in enumerate(items):
             off = 0
             for s in it.segments:
@@ -147,11 +167,10 @@ class EpochExecutor(Forward):
                 if plan is None or plan.N != n:
                     if plan is not None:                 # the block's shape changed: nothing of it survives
                         self.totals["fallback:shape"] += 1
+                        self._drop(plan)
                     plan = BlockPlan(it.request, s.block, n, self.config.num_hidden_layers)
+                    plan.base = self.arena.alloc(n)
                     self.plans[key] = plan
-                refresh = self.ecfg.refresh
-                if "stale-cache" in self.ecfg.inject:    # fault: the refresh clock never fires, entries age past M_C
-                    refresh = 1 << 30
                 plan.path = plan.liveness.plan_pass(s.decoded.cpu(), plan.passes, refresh, self.ecfg.lsp)
                 if plan.path == "fallback":
                     plan.invalidate()
@@ -166,9 +185,14 @@ class EpochExecutor(Forward):
                 dec.append(s.decoded.cpu())
                 off += n
                 T += n
-        fresh = torch.cat([plans[p].liveness.fresh for p in range(len(plans))])
-        return Rows(torch.cat(flat), torch.cat(plan_ix), torch.cat(row_ix), torch.cat(tok), torch.cat(dec), fresh,
-                    plans, plan_rows)
+        plan_T = torch.cat(plan_ix)
+        row_T = torch.cat(row_ix)
+        per_plan = lambda f: torch.tensor([f(pl) for pl in plans], dtype=torch.long)[plan_T]  # noqa: E731
+        return Rows(torch.cat(flat), plan_T, row_T, torch.cat(tok), torch.cat(dec),
+                    torch.cat([pl.liveness.fresh for pl in plans]), plans, plan_rows,
+                    slot=per_plan(lambda pl: pl.base) + row_T, passes=per_plan(lambda pl: pl.passes),
+                    version=per_plan(lambda pl: pl.version), newly=torch.cat([pl.liveness.newly for pl in plans]),
+                    hot=per_plan(lambda pl: pl.path == "hot").bool())
 
     # ---- the MoE region -----------------------------------------------------------------------------------
     def _moe(self, li: int, moe, xn: torch.Tensor, R: Rows) -> torch.Tensor:
@@ -178,35 +202,34 @@ class EpochExecutor(Forward):
         E = self.config.num_experts
         fresh = R.fresh.clone()
         layer_paths = Counter()
+        A = self.arena
+        written = A.written[li]
         if "cache-newly-decoded" in self.ecfg.inject:  # fault: serve newly decoded rows from the entry written
-            for p, plan in enumerate(R.plans):           # while they were still live (their MASK-identity output)
-                lp = plan.layer(li)
-                if plan.path == "hot" and lp.cache is not None and lp.cache.values.shape[0] == plan.N:
-                    rows_T = R.plan_rows[p]
-                    fresh[rows_T[plan.liveness.newly & (lp.cache.written != EMPTY)]] = False
-        # 1) cache checks for rows the plan wants to serve; any doubt -> this layer of this block goes fresh
-        serve = []                                                           # (plan index, rows, ages)
-        for p, plan in enumerate(R.plans):
-            lp = plan.layer(li)
-            if lp.cache is None or lp.cache.values.shape[0] != plan.N:
-                lp.cache = LayerCache.empty(plan.N, H, xn.dtype, xn.device)
-            rows_T = R.plan_rows[p]
-            stale = rows_T[~fresh[rows_T]]
-            if stale.numel():
-                ok, why, ages = lp.cache.servable(R.row[stale], plan.passes, R.token[stale], plan.version,
-                                                  self.ecfg.refresh)
-                if "cache-newly-decoded" in self.ecfg.inject or "stale-cache" in self.ecfg.inject:
-                    ok, ages = True, plan.passes - lp.cache.written[R.row[stale]]
-                if ok:
-                    serve.append((p, stale, ages))
-                else:
-                    fresh[rows_T] = True
-                    lp.paths["fallback"] += 1
-                    self.totals[f"fallback:{why}"] += 1
-                    layer_paths["fallback"] += 1
+            fresh[R.newly & R.hot & (written[R.slot] != EMPTY)] = False   # while they were still live
+        # 1) cache checks for every row a plan wants to serve, vectorised over the batch; any doubt about a block
+        #    makes this layer of that block fully fresh (fail closed)
+        idx_S = (~fresh).nonzero(as_tuple=True)[0]
+        slots = R.slot[idx_S]
+        w_S = written[slots]
+        ages = R.passes[idx_S] - w_S
+        checks = {"miss": w_S == EMPTY, "version": A.version[li][slots] != R.version[idx_S],
+                  "token": A.token[li][slots] != R.token[idx_S], "age": (ages < 1) | (ages >= self.ecfg.refresh)}
+        if self.ecfg.inject & {"cache-newly-decoded", "stale-cache"}:   # faults: serve without checking
+            checks = {}
+        bad = torch.zeros(idx_S.numel(), dtype=torch.bool)
+        for why, c in checks.items():
+            c = c & ~bad                                     # name the first failing check per row
+            for p in R.plan[idx_S][c].unique().tolist():
+                fresh[R.plan_rows[p]] = True
+                R.plans[p].layer(li).paths["fallback"] += 1
+                self.totals[f"fallback:{why}"] += 1
+                layer_paths["fallback"] += 1
+            bad |= c
+        keep = ~fresh[idx_S]                                 # rows of blocks that did not fall back
+        idx_served, ages_served = idx_S[keep], ages[keep]
         # 2) expert supports: (re)build on cold / fallback / update passes from this pass's router scores
         build = []
-        if self.ecfg.atlas:
+        if self.ecfg.atlas and self.ap.B < E:   # B >= E: the initial support is every expert, nothing to build
             for p, plan in enumerate(R.plans):
                 lp = plan.layer(li)
                 due = (lp.support is None and lp.built_at < 0) or plan.path in ("cold", "fallback") or \
@@ -245,13 +268,14 @@ class EpochExecutor(Forward):
         # 4) compact the fresh rows of the whole batch and route them within their block's support
         idx_F = fresh.nonzero(as_tuple=True)[0]                              # (F,)
         x_F = self.stages.compact(xn_T, idx_F)                               # (F, H)
-        allowed = torch.ones(idx_F.numel(), E, dtype=torch.bool, device=dev)
-        support_sizes = []
-        for p, plan in enumerate(R.plans):
-            sup = plan.layer(li).support
-            support_sizes.append(E if sup is None else int(sup.sum()))
-            if sup is not None and "route-outside-support" not in self.ecfg.inject:
-                allowed[(R.plan[idx_F] == p).to(dev)] = sup.to(dev)
+        sups = [plan.layer(li).support for plan in R.plans]
+        support_sizes = [E if sup is None else int(sup.sum()) for sup in sups]
+        if all(sup is None for sup in sups) or "route-outside-support" in self.ecfg.inject:
+            allowed = torch.ones(idx_F.numel(), E, dtype=torch.bool, device=dev)
+        else:
+            every = torch.ones(E, dtype=torch.bool)
+            S_PE = torch.stack([every if sup is None else sup for sup in sups])        # (P, E)
+            allowed = S_PE[R.plan[idx_F]].to(dev)                                     # (F, E)
         ids, w = self.stages.route(logits_T[idx_F], bias, self.config, allowed)
         # 5) FreshLane: experts over the short worklist
         extra = {}
@@ -261,24 +285,20 @@ class EpochExecutor(Forward):
             x_F, ids, w, lambda x, i, wt: self.stages.experts(x, i, wt, moe.w_gate, moe.w_up, moe.w_down), **extra)
         # 6) merge: fresh rows from the experts, stable decoded rows from the cache; write decoded fresh rows
         y_T = self.stages.scatter(y_F.to(xn.dtype), idx_F, T)
-        served = 0
-        for p, rows_T, ages in serve:
-            if fresh[rows_T].any():     # the layer fell back after all
-                continue
-            lp = R.plans[p].layer(li)
-            y_T[rows_T] = lp.cache.values[R.row[rows_T]]
-            served += rows_T.numel()
-            self.age_hist.update(ages.tolist())
-        for p, plan in enumerate(R.plans):
-            rows_T = R.plan_rows[p]
-            wr = rows_T[fresh[rows_T] & R.decoded[rows_T]]
-            if "cache-newly-decoded" in self.ecfg.inject:   # deliberately wrong: also cache live rows
-                wr = rows_T[fresh[rows_T]]
-            if wr.numel():
-                pos_in_F = torch.searchsorted(idx_F, wr)
-                plan.layer(li).cache.write(R.row[wr], y_F[pos_in_F], plan.passes, R.token[wr], plan.version)
+        y_T[idx_served] = A.values[li][R.slot[idx_served]]
+        served = int(idx_served.numel())
+        if served:
+            self.age_hist.update(dict(zip(*[t.tolist() for t in ages_served.unique(return_counts=True)])))
+        wr = fresh & R.decoded
+        if "cache-newly-decoded" in self.ecfg.inject:   # deliberately wrong: also cache live rows
+            wr = fresh.clone()
+        idx_W = wr.nonzero(as_tuple=True)[0]
+        if idx_W.numel():
+            sl = R.slot[idx_W]
+            A.values[li][sl] = y_T[idx_W]
+            written[sl], A.token[li][sl], A.version[li][sl] = R.passes[idx_W], R.token[idx_W], R.version[idx_W]
         if self.audit is not None:
-            self._audit(li, R, fresh, serve, idx_F, ids)
+            self._audit(li, R, fresh, idx_served, ages_served, idx_F, ids)
         if self.taps is not None:  # equivalence suite: routed output per row, after merge, before the shared expert
             full = torch.zeros(B * L, H, dtype=xn.dtype, device=dev)
             full[R.flat] = y_T
@@ -321,8 +341,11 @@ class EpochExecutor(Forward):
             ids_T[idx_S], w_T[idx_S] = ids_S.to(ids_T.device), w_S.to(w_T.device)
         return {"x_all": xn_T, "ids_all": ids_T, "w_all": w_T, "idx_fresh": idx_F}
 
-    def _audit(self, li, R: Rows, fresh, serve, idx_F, ids) -> None:
-        served = {p: (rows, ages) for p, rows, ages in serve if not fresh[rows].any()}
+    def _audit(self, li, R: Rows, fresh, idx_served, ages_served, idx_F, ids) -> None:
+        served = {}
+        for p in R.plan[idx_served].unique().tolist():
+            m = R.plan[idx_served] == p
+            served[p] = (idx_served[m], ages_served[m])
         for p, plan in enumerate(R.plans):
             rows_T = R.plan_rows[p]
             in_plan = R.plan[idx_F] == p
@@ -352,7 +375,7 @@ class EpochExecutor(Forward):
         tokens, positions, mask, valid, lens, cache_lens = build_layout(items, self.device)
         B, L = tokens.shape
         past = stack_past(items, self.config.num_hidden_layers, mask.shape[2] - L)
-        R = self._plan_rows(items, L)
+        R = self._plan_rows(items, L, self.config.hidden_size, model.embed.weight.dtype)
         # a dispatcher may keep richer per-pass stats (ep.EPStats: per rank, FreshLane and dense)
         new_stats = getattr(self.dispatcher, "new_stats", CommStats)
         self._layer_stats, self._comm, moe_s = [], new_stats(), 0.0

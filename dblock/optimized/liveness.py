@@ -21,42 +21,77 @@ import torch
 EMPTY = -(2 ** 62)  # `written` of an entry that was never written
 
 
+class CacheArena:
+    """The decoded-output caches of every open block plan, one slab per MoE layer.
+
+    A plan owns a contiguous range of slots [base, base + N) (one per row of its block, the same range in every
+    layer), so a whole batch's cache reads and writes are single gathers and scatters through a per-row slot index
+    instead of a loop over blocks. Per slot: the routed-expert output (on the model's device) and, on the host, the
+    pass it was written at (EMPTY = never), the token the row held and the plan version at write.
+
+    Example: plans A (N = 3) and B (N = 2) get bases 0 and 3; row 1 of B reads slot 4 of every layer's slab.
+    Freeing A leaves [0, 3) free; a plan of N = 2 reuses slots 0..1 (first fit), with their stamps reset to EMPTY.
+    """
+
+    def __init__(self, layers, H: int, dtype, device, capacity: int = 256):
+        self.layers, self.H, self.dtype, self.device = list(layers), H, dtype, device
+        self.capacity = 0
+        self.values, self.written, self.token, self.version = {}, {}, {}, {}
+        self.free_ranges: list = []                 # [(base, n)] sorted by base
+        self._grow(capacity)
+
+    def _grow(self, new_cap: int) -> None:
+        old = self.capacity
+        for li in self.layers:
+            v = torch.zeros(new_cap, self.H, dtype=self.dtype, device=self.device)
+            w = torch.full((new_cap,), EMPTY, dtype=torch.long)
+            t = torch.full((new_cap,), -1, dtype=torch.long)
+            r = torch.full((new_cap,), -1, dtype=torch.long)
+            if old:
+                v[:old], w[:old], t[:old], r[:old] = (self.values[li], self.written[li], self.token[li],
+                                                      self.version[li])
+            self.values[li], self.written[li], self.token[li], self.version[li] = v, w, t, r
+        self.free_ranges.append((old, new_cap - old))
+        self._merge_free()
+        self.capacity = new_cap
+
+    def _merge_free(self) -> None:
+        out = []
+        for b, n in sorted(self.free_ranges):
+            if out and out[-1][0] + out[-1][1] == b:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            elif n > 0:
+                out.append((b, n))
+        self.free_ranges = out
+
+    def alloc(self, n: int) -> int:
+        """First-fit range of n slots (growing the slabs when none fits); its stamps start EMPTY."""
+        for i, (b, m) in enumerate(self.free_ranges):
+            if m >= n:
+                self.free_ranges[i] = (b + n, m - n)
+                self._merge_free()
+                for li in self.layers:
+                    self.written[li][b:b + n] = EMPTY
+                return b
+        self._grow(max(2 * self.capacity, self.capacity + n))
+        return self.alloc(n)
+
+    def free(self, base: int, n: int) -> None:
+        self.free_ranges.append((base, n))
+        self._merge_free()
+
+    def view(self, li: int, base: int, n: int):
+        """One plan's entries of one layer (tensor views: writing through them writes the arena)."""
+        sl = slice(base, base + n)
+        return _CacheView(self.values[li][sl], self.written[li][sl], self.token[li][sl], self.version[li][sl])
+
+
 @dataclass
-class LayerCache:
-    """Decoded-output cache of one (block, MoE layer)."""
-
-    values: torch.Tensor        # (N, H) routed-expert outputs
-    written: torch.Tensor       # (N,) int64 pass index at write, EMPTY = never written
-    token: torch.Tensor         # (N,) int64 token the row held when written
-    version: torch.Tensor       # (N,) int64 plan version at write
-
-    @classmethod
-    def empty(cls, N: int, H: int, dtype, device) -> "LayerCache":
-        return cls(torch.zeros(N, H, dtype=dtype, device=device), torch.full((N,), EMPTY, dtype=torch.long),
-                   torch.full((N,), -1, dtype=torch.long), torch.full((N,), -1, dtype=torch.long))
-
-    def write(self, rows: torch.Tensor, values: torch.Tensor, pass_index: int, tokens: torch.Tensor,
-              version: int) -> None:
-        self.values[rows] = values.to(self.values.dtype)
-        self.written[rows] = pass_index
-        self.token[rows] = tokens
-        self.version[rows] = version
-
-    def servable(self, rows: torch.Tensor, pass_index: int, tokens: torch.Tensor, version: int, refresh: int):
-        """(ok, reason, ages): can every row in `rows` be served now? Fails closed on any doubt."""
-        if rows.numel() == 0:
-            return True, "", torch.zeros(0, dtype=torch.long)
-        w = self.written[rows]
-        if (w == EMPTY).any():
-            return False, "miss", None
-        if (self.version[rows] != version).any():
-            return False, "version", None
-        if (self.token[rows] != tokens).any():
-            return False, "token", None
-        ages = pass_index - w
-        if (ages < 1).any() or (ages >= refresh).any():
-            return False, "age", None
-        return True, "", ages
+class _CacheView:
+    values: torch.Tensor        # (N, H)
+    written: torch.Tensor       # (N,)
+    token: torch.Tensor         # (N,)
+    version: torch.Tensor       # (N,)
 
 
 @dataclass

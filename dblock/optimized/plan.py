@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from dblock.optimized.atlas import AtlasParams
-from dblock.optimized.liveness import LayerCache, Liveness
+from dblock.optimized.liveness import Liveness
 
 CONFIGS = ("epoch", "full_compute", "no_atlas", "no_lsp", "dense")
 
@@ -67,7 +67,6 @@ class LayerPlan:
     built_at: int = -1                        # pass index of the last (re)build
     support_ok: bool = True                   # last build reached |U| <= (1-q) N
     under: int = 0                            # |U_l| at the last build
-    cache: Optional[LayerCache] = None
     paths: Counter = field(default_factory=Counter)
 
 
@@ -82,6 +81,7 @@ class BlockPlan:
     liveness: Liveness = None
     layers: dict = field(default_factory=dict)
     path: str = "cold"                        # block-level path of the current pass
+    base: Optional[int] = None                # first cache slot of the block's rows in the executor's CacheArena
 
     def __post_init__(self):
         if self.liveness is None:

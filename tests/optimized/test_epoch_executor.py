@@ -120,8 +120,8 @@ def test_hot_pass_really_differs_and_cold_is_exact():
 def test_stale_version_falls_back():
     d = Driver()
     warm(d)
-    for lp in d.plan().layers.values():
-        lp.cache.version[:] = -5
+    for li in d.m.config.moe_layers:
+        d.f.plan_cache(d.plan(), li).version[:] = -5
     e, r = d.step()
     torch.testing.assert_close(e, r, **tol(torch.float64))
     assert d.f.stats()["paths"]["fallback"] > 0 and d.f.totals["fallback:version"] > 0
@@ -131,8 +131,8 @@ def test_cache_entry_of_age_mc_falls_back():
     d = Driver(refresh=4)
     warm(d)
     plan = d.plan()
-    for lp in plan.layers.values():
-        lp.cache.written[:3] = plan.passes - 4   # age M_C at read
+    for li in d.m.config.moe_layers:
+        d.f.plan_cache(plan, li).written[:3] = plan.passes - 4   # age M_C at read
     e, r = d.step()
     torch.testing.assert_close(e, r, **tol(torch.float64))
     assert d.f.totals["fallback:age"] > 0
