@@ -114,7 +114,9 @@ def test_lying_atlas_is_caught_by_the_independent_coverage_recheck(monkeypatch):
         s[int(I[0, 0])] = True
         return SupportResult(s, True, 0, 0)
     monkeypatch.setattr(ex_mod, "build_support", lying_build)
-    sh = ShadowForward(epoch_forward(MODEL, "epoch", audit=True), LladaReference(MODEL))
+    # B < E so that supports are built at all (with B >= E the support is every expert and nothing is built)
+    sh = ShadowForward(epoch_forward(MODEL, "epoch", audit=True, atlas_B=MODEL.config.num_experts_per_tok),
+                       LladaReference(MODEL))
     shadow_generate(sh, PROMPTS[:2], DEC)
     cov = [v for v in sh.violations if v.invariant == "coverage"]
     assert cov and "reported as a success" in cov[0].message and "recomputed" in cov[0].message
