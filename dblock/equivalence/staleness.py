@@ -83,7 +83,9 @@ def plot(tables: dict, path: str, refresh: Optional[int] = None, title: str = ""
     """PNG of the curves: mean and interquartile band of the lagged cosine for decoded and live rows, served-entry
     means, the M_C line and the paper's 0.95. `tables`: label -> staleness_table()."""
     import matplotlib
-    matplotlib.use("Agg")
+    import sys
+    if "matplotlib.pyplot" not in sys.modules:  # headless default; keep a notebook's backend
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -277,7 +277,9 @@ def machine() -> str:
 def plot(servers: list[dict], path: str) -> None:
     """P95 ITL (ms) and throughput vs offered rate, one line per server, side by side."""
     import matplotlib
-    matplotlib.use("Agg")
+    import sys
+    if "matplotlib.pyplot" not in sys.modules:  # headless default; keep a notebook's backend
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for srv in servers:

@@ -6,7 +6,9 @@ import numpy as np
 
 def _plt():
     import matplotlib
-    matplotlib.use("Agg")
+    import sys
+    if "matplotlib.pyplot" not in sys.modules:  # headless default; keep a notebook's backend
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
 
