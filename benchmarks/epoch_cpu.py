@@ -66,7 +66,7 @@ class MoETimer:
             h.remove()
 
 
-def load_models(quick: bool):
+def load_models(quick: bool, only=None):
     from dblock.tiny import make_tiny_model
     from dblock.weights import CHECKPOINTS_DIR
     import dblock
@@ -74,7 +74,7 @@ def load_models(quick: bool):
     if os.path.isdir(os.path.join(CHECKPOINTS_DIR, "tiny-masked")):
         models.append(("tiny-masked", dblock.load("tiny-masked")))
     models.append(("mini-scaled (random)", make_tiny_model("llada2_moe", seed=0, **MINI_SCALED)))
-    return models
+    return [m for m in models if only is None or m[0].split(" ")[0] in only]
 
 
 def prompts_for(name, model, batch):
@@ -188,6 +188,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="batches 1,8 and one repeat")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--json", default=None, help="write all rows to this file")
+    ap.add_argument("--models", default=None, help="comma-separated subset: tiny-masked, mini-scaled")
     args = ap.parse_args()
     torch.set_num_threads(1)
     batches = [int(b) for b in (args.batches or ("1,8" if args.quick else "1,8,32,64,128")).split(",")]
@@ -195,7 +196,8 @@ def main():
     machine = f"{platform.platform()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 thread"
     print(f"# benchmarks/epoch_cpu.py on {machine}")
     all_rows = []
-    for name, model in load_models(args.quick):
+    only = set(args.models.split(",")) if args.models else None
+    for name, model in load_models(args.quick, only):
         print(f"\n## {name}")
         print(f"{'batch':>5} {'config':>12} {'ms/pass':>8} {'MoE%':>5} {'TPS':>8} {'speedup':>7} {'fresh':>6} "
               f"{'support':>7} {'GFLOP/p':>8} {'MB/p':>7} {'MoE/fresh·dense':>15} {'agree':>6} {'acc':>6}")

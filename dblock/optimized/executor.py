@@ -245,11 +245,17 @@ class EpochExecutor(Forward):
         if idx_need.numel():
             logits_T[idx_need] = moe.router_logits(xn_T[idx_need])
         bias = moe.expert_bias
-        for p in build:
-            plan, rows_T = R.plans[p], R.plan_rows[p]
+        if build:   # candidates of every building block's rows in one call, then one greedy build per block
+            rows_B = torch.cat([R.plan_rows[p] for p in build])
+            W_B, I_B, R_B = (t.cpu() for t in candidates(logits_T[rows_B.to(dev)], bias, self.config, self.ap.m))
+            starts = [0]
+            for p in build:
+                starts.append(starts[-1] + R.plan_rows[p].numel())
+        for j, p in enumerate(build):
+            plan = R.plans[p]
             lp = plan.layer(li)
-            W, I, Rm = candidates(logits_T[rows_T], bias, self.config, self.ap.m)
-            res = build_support(W, I, Rm, E, self.ap)
+            a, b = starts[j], starts[j + 1]
+            res = build_support(W_B[a:b], I_B[a:b], R_B[a:b], E, self.ap)
             lp.built_at, lp.support_ok, lp.under = plan.passes, res.success, res.under
             lp.support = res.support if res.success else None               # fail closed: all experts
             if not res.success:

@@ -47,6 +47,8 @@ class GenerateResult:
             "T_den_ms": 1e3 * t.den_s / t.den_calls if t.den_calls else 0.0,
             "TPS": Y / t.den_s if t.den_s else 0.0,
             "wall_TPS": Y / t.wall_s if t.wall_s else 0.0,
+            "T_den_cpu_ms": 1e3 * t.den_cpu_s / t.den_calls if t.den_calls else 0.0,
+            "TPS_cpu": Y / t.den_cpu_s if t.den_cpu_s else 0.0,
             "wall_s": t.wall_s,
             **self._transformers_tpf(),
         }

@@ -439,6 +439,8 @@ class RunTimes:
     wall_s: float = 0.0         # whole run, host overhead included
     den_calls: int = 0
     app_calls: int = 0
+    den_cpu_s: float = 0.0      # CPU time of this thread inside denoise calls: on a shared machine it excludes
+                                # time spent waiting for a core (with one torch thread it is the work done)
 
 
 def _trace_pass(trace: TraceWriter, kind: str, items: list[StepInput], wall: float, fwd: Forward) -> None:
@@ -471,9 +473,10 @@ def step_once(runs: list[RequestRun], fwd: Forward, times: RunTimes, trace: Trac
     den = [r for r in runs if r.pending() == "denoise"]
     if den:
         items = [r.denoise_input() for r in den]
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         out = fwd.denoise(items)
         dt = time.perf_counter() - t0
+        times.den_cpu_s += time.thread_time() - c0
         times.den_s += dt
         times.den_calls += 1
         _trace_pass(trace, "denoise", items, dt, fwd)
