@@ -54,8 +54,8 @@ def models(batch: int, max_new: int):
         from dblock.tasks.evaluate import TokenizerAdapter
         m = dblock.load("tiny-masked")
         tok = TokenizerAdapter.from_folder(m.source)
-        exs = get_task("arith").examples("test", batch)
-        out.append(("tiny-masked (arith prompts, E=16 K=4, C=16)", "tiny-masked", [tok.encode(e.prompt) for e in exs],
+        exs = get_task("arith-small").examples("test", batch)
+        out.append(("tiny-masked (arith-small prompts, E=16 K=4, C=16)", "tiny-masked", [tok.encode(e.prompt) for e in exs],
                     max_new, m.config.num_experts_per_tok))
     return out
 

@@ -77,19 +77,27 @@ def load_models(quick: bool, only=None):
     return [m for m in models if only is None or m[0].split(" ")[0] in only]
 
 
-def prompts_for(name, model, batch):
+def prompts_for(name, model, batch, rule="threshold"):
     if name == "tiny-masked":
         from dblock.tasks import get_task
         from dblock.tasks.evaluate import TokenizerAdapter
         tok = TokenizerAdapter.from_folder(model.source)
-        task = get_task("arith")
+        task = get_task("arith-small")
         exs = task.examples("test", batch)
-        return [tok.encode(e.prompt) for e in exs], (task, tok, exs), DecodeConfig(max_new_tokens=128)
+        return [tok.encode(e.prompt) for e in exs], (task, tok, exs), _dec(model, 128, rule)
     g = torch.Generator().manual_seed(batch)
     V = model.config.vocab_size - 2
     ps = [torch.randint(0, V, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist()
           for _ in range(batch)]
-    return ps, None, DecodeConfig(max_new_tokens=64)
+    return ps, None, _dec(model, 64, rule)
+
+
+def _dec(model, max_new, rule):
+    """threshold: the Epoch evaluation decoder (tau 0.95, few passes per block on these models); fixed-k: LLaDA's
+    generate.py default of one pass per position (steps = C), where blocks live long and LSP has work to skip."""
+    if rule == "fixed-k":
+        return DecodeConfig(max_new_tokens=max_new, rule="fixed-k", steps=model.config.block_size)
+    return DecodeConfig(max_new_tokens=max_new)
 
 
 def flops_bytes(cfg, stats_passes, dense_rows):
@@ -164,16 +172,26 @@ def run_config(config, model, prompts, dec):
     return out
 
 
-def peak_rss(model_name, config, batch):
-    """Peak resident memory (MiB) of a fresh process decoding one batch with one configuration."""
+def _vm(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return float(line.split()[1]) / 1024   # kB -> MiB
+    return float("nan")
+
+
+def peak_rss(model_name, config, batch, rule="threshold"):
+    """Peak resident memory (MiB) of decoding one batch with one configuration, in a fresh process: the high-water
+    mark is reset after loading (Linux /proc/self/clear_refs), so the number is what decoding itself adds on top
+    of the loaded model and interpreter."""
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r});"
             "import torch; torch.set_num_threads(1);"
-            "import resource, benchmarks.epoch_cpu as b;"
+            "import benchmarks.epoch_cpu as b;"
             f"ms = dict(b.load_models(True)); m = ms[{model_name!r}];"
-            f"p, _, d = b.prompts_for({model_name!r}, m, {batch});"
-            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+            f"p, _, d = b.prompts_for({model_name!r}, m, {batch}, {rule!r});"
+            "base = b._vm('VmRSS'); open('/proc/self/clear_refs', 'w').write('5');"
             f"b.run_config({config!r}, m, p, d);"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, base / 1024)")
+            "print(b._vm('VmHWM'), base)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     if r.returncode:
         return None, None
@@ -189,6 +207,7 @@ def main():
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--json", default=None, help="write all rows to this file")
     ap.add_argument("--models", default=None, help="comma-separated subset: tiny-masked, mini-scaled")
+    ap.add_argument("--rules", default="threshold,fixed-k", help="decoding regimes: threshold, fixed-k (steps = C)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     batches = [int(b) for b in (args.batches or ("1,8" if args.quick else "1,8,32,64,128")).split(",")]
@@ -197,12 +216,12 @@ def main():
     print(f"# benchmarks/epoch_cpu.py on {machine}")
     all_rows = []
     only = set(args.models.split(",")) if args.models else None
-    for name, model in load_models(args.quick, only):
-        print(f"\n## {name}")
+    for (name, model), rule in [(nm, r) for nm in load_models(args.quick, only) for r in args.rules.split(",")]:
+        print(f"\n## {name}, {rule} rule")
         print(f"{'batch':>5} {'config':>12} {'ms/pass':>8} {'MoE%':>5} {'TPS':>8} {'speedup':>7} {'fresh':>6} "
               f"{'support':>7} {'GFLOP/p':>8} {'MB/p':>7} {'MoE/fresh·dense':>15} {'agree':>6} {'acc':>6}")
         for batch in batches:
-            prompts, grading, dec = prompts_for(name, model, batch)
+            prompts, grading, dec = prompts_for(name, model, batch, rule)
             cells = {}
             for rep in range(repeats):
                 for config in CONFIGS:   # interleaved, so machine noise hits every configuration alike
@@ -215,7 +234,7 @@ def main():
             for config in CONFIGS:
                 runs = cells[config]
                 r0 = runs[0]
-                row = {"model": name, "batch": batch, "config": config,
+                row = {"model": name, "rule": rule, "batch": batch, "config": config,
                        "ms_per_pass": 1e3 * statistics.median(x["s_per_pass"] for x in runs),
                        "moe_share": statistics.median(x["moe_share"] for x in runs),
                        "TPS": statistics.median(x["TPS"] for x in runs),
@@ -243,12 +262,12 @@ def main():
             print(f"\npeak resident memory, batch {big} (MiB, fresh process per configuration; baseline = after "
                   "loading, before decoding)")
             for config in CONFIGS:
-                peak, base = peak_rss(name, config, big)
+                peak, base = peak_rss(name, config, big, rule)
                 if peak is None:
                     print(f"  {config:>12}: failed")
                     continue
                 print(f"  {config:>12}: peak {peak:8.1f}  decode +{peak - base:7.1f}")
-                all_rows.append({"model": name, "batch": big, "config": config, "peak_rss_mib": peak,
+                all_rows.append({"model": name, "rule": rule, "batch": big, "config": config, "peak_rss_mib": peak,
                                  "decode_rss_mib": peak - base})
     if args.json:
         with open(args.json, "w") as f:

@@ -64,8 +64,8 @@ def add_parser(subparsers) -> None:
     lg.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate (default 10)")
     lg.add_argument("--replay", default=None, metavar="FILE",
                     help="replay arrival times from a file (times per line, JSON list, loadgen JSON, engine trace)")
-    lg.add_argument("--prompts", default="task:arith",
-                    help="task:NAME (test split), file:PATH, or ids:1,2,3;4,5 (default task:arith)")
+    lg.add_argument("--prompts", default="task:arith-small",
+                    help="task:NAME (test split), file:PATH, or ids:1,2,3;4,5 (default task:arith-small)")
     lg.add_argument("--token-ids", action="store_true",
                     help="send task/file prompts as character-tokenizer ids (servers without tokenizer.json)")
     lg.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")

@@ -1,7 +1,9 @@
 """Synthetic graded tasks and the character tokenizer for the tiny bundled models.
 
-`get_task(name)` names: `arith` (add + rev, 1:1), `arith-add`, `arith-rev`, or a mix spelled
-`arith:add=3,rev=1` (weights). Keyword arguments go to `ArithTask` (sizes, test_fraction).
+`get_task(name)` names: `arith` (add + rev, 1:1), `arith-add`, `arith-rev`, `arith-small` (add + rev, 1:1, with
+1..4-digit operands and 1..6-digit strings: about 3 blocks per answer; what the bundled tiny models are trained on),
+or a mix spelled `arith:add=3,rev=1` (weights). Keyword arguments go to `ArithTask` (sizes, test_fraction) and
+override a variant's sizes.
 """
 
 from __future__ import annotations
@@ -12,18 +14,21 @@ from .tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID, CharTokenizer
 Task = ArithTask
 
 _FIXED = {"arith": None, "arith-add": {"add": 1.0}, "arith-rev": {"rev": 1.0}}
+_VARIANTS = {"arith-small": dict(mix=None, add_digits=(1, 4), rev_len=(1, 6))}
 
 
 def get_task(name: str, **kwargs) -> ArithTask:
     if name in _FIXED:
         return ArithTask(mix=_FIXED[name], name=name, **kwargs)
+    if name in _VARIANTS:
+        return ArithTask(name=name, **{**_VARIANTS[name], **kwargs})
     if name.startswith("arith:"):
         try:
             mix = {k.strip(): float(v) for k, v in (item.split("=") for item in name[6:].split(","))}
         except ValueError:
             raise ValueError(f"bad task mix {name!r}: expected e.g. 'arith:add=3,rev=1'") from None
         return ArithTask(mix=mix, name=name, **kwargs)
-    raise ValueError(f"unknown task {name!r}; known: {sorted(_FIXED)} or 'arith:add=W,rev=W'")
+    raise ValueError(f"unknown task {name!r}; known: {sorted(_FIXED) + sorted(_VARIANTS)} or 'arith:add=W,rev=W'")
 
 
 __all__ = ["ArithTask", "BOS_ID", "CharTokenizer", "EOS_ID", "Example", "MARKER", "MASK_ID", "PAD_ID", "Task",

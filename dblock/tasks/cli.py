@@ -1,7 +1,8 @@
 """`dblock train-tiny` and `dblock eval` (the tasks room's commands; `dblock.cli` imports this module).
 
     dblock train-tiny --family llada2_moe --out DIR --minutes 45 --seed 0      # or --steps S; --resume continues
-    dblock eval --model tiny-masked --task arith --n 200 --json                # held-out accuracy + counters
+    dblock eval --model tiny-masked --n 200 --json             # held-out accuracy + counters (task from card.json)
+    dblock model-card --model DIR --train-summary RUN/train_summary.json --n 200   # MODEL_CARD.md + card.json
 """
 from __future__ import annotations
 
@@ -29,15 +30,20 @@ def _seeds(s: str) -> list:
     return out
 
 
-def add_task_args(p):
-    p.add_argument("--task", default="arith",
-                   help="task name: arith, arith-add, arith-rev, or a mix 'arith:add=W,rev=W'")
+def add_task_args(p, default="arith"):
+    p.add_argument("--task", default=default,
+                   help="task name: arith, arith-add, arith-rev, arith-small, or a mix 'arith:add=W,rev=W'"
+                        + (" (default: the task in the model's card.json, else arith)" if default is None else
+                           f" (default {default})"))
     p.add_argument("--add-digits", type=_pair, default=None, help="add operand lengths MIN,MAX (default: the task's)")
     p.add_argument("--rev-len", type=_pair, default=None, help="rev string lengths MIN,MAX (default: the task's)")
 
 
 def make_task_from_args(args):
     from dblock.tasks import get_task
+    if args.task is None:
+        from dblock.tasks.card import task_of
+        args.task = task_of(args.model)
     kw = {}
     if args.add_digits:
         kw["add_digits"] = args.add_digits
@@ -81,25 +87,31 @@ def add_parser(subparsers):
                               description="Decode the task's test-split problems and report exact-answer accuracy, "
                                           "TPF, TPS, wall time and the passes-per-block histogram.")
     add_model_args(e)
-    add_task_args(e)
+    add_task_args(e, default=None)
     e.add_argument("--n", type=int, default=200, help="problems (the first N of the split; default 200)")
     e.add_argument("--split", default="test", choices=["test", "train"], help="task split (default test)")
     e.add_argument("--seeds", type=_seeds, default=None,
                    help="comma-separated decoding seeds, one run each (default: --seed)")
     e.add_argument("--batch-size", type=int, default=None, help="requests per forward (default: all)")
     e.add_argument("--examples", type=int, default=0, help="also show this many (prompt, output) pairs")
-    e.add_argument("--progress", action="store_true", help="show a progress bar")
+    e.add_argument("--progress", action="store_true", help="show a progress bar (on by default when --n > 50)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     add_decode_args(e)
     add_executor_args(e)
+
+    c = subparsers.add_parser("model-card", help="evaluate a trained tiny model and write its MODEL_CARD.md + card.json",
+                              description="Evaluate DIR with `dblock eval` defaults and write MODEL_CARD.md and "
+                                          "card.json into DIR, from the training summary and the evaluation.")
+    c.add_argument("--model", required=True, help="model folder (or bundled name)")
+    c.add_argument("--train-summary", required=True, help="the run's train_summary.json (written by train-tiny)")
+    c.add_argument("--task", default=None, help="evaluation task (default: the training task; must match it)")
+    c.add_argument("--n", type=int, default=200, help="held-out problems (default 200)")
+    c.add_argument("--name", default=None, help="name used in the card (default: the folder's name)")
 
 
 def _train(args) -> int:
     from dblock.tasks.train import TrainConfig, train
 
-    if args.family == "diffusion_gemma":
-        raise ValueError("--family diffusion_gemma: not available yet (needs dblock.reference.gemma); "
-                         "train-tiny supports llada2_moe")
     if args.steps is None and args.minutes is None and not args.resume:
         raise ValueError("give --steps S or --minutes N")
     make_task_from_args(args)  # validate the task before any compute
@@ -128,7 +140,7 @@ def _eval(args) -> int:
     from dblock.tasks.evaluate import TokenizerAdapter
     tok = TokenizerAdapter.from_folder(model.source)
     r = evaluate(fwd, task, n=args.n, dec=dec, schedule=spec, batch_size=args.batch_size, seeds=args.seeds,
-                 tokenizer=tok, split=args.split, progress=args.progress, examples=args.examples)
+                 tokenizer=tok, split=args.split, progress=args.progress or args.n > 50, examples=args.examples)
     r["model"] = args.model
     if args.json:
         print(json.dumps(r))
@@ -137,9 +149,21 @@ def _eval(args) -> int:
     return 0
 
 
+def _card(args) -> int:
+    from dblock.tasks.card import make_card
+    if args.n <= 0:
+        raise ValueError(f"--n {args.n}: must be a positive integer")
+    card = make_card(args.model, args.train_summary, args.task, args.n, args.name)
+    print(f"model-card: {card['name']}: accuracy {card['eval']['accuracy']:.3f} on {card['task']} "
+          f"(n={args.n}); wrote MODEL_CARD.md and card.json")
+    return 0
+
+
 def main(args) -> int:
     if args.command == "train-tiny":
         return _train(args)
+    if args.command == "model-card":
+        return _card(args)
     if args.command == "eval":
         return _eval(args)
     raise ValueError(f"unknown command {args.command!r}")

@@ -64,6 +64,7 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
     """Decode the first `n` problems of `split` and grade them.
 
     `model_or_forward`: a loaded model (reference executor) or any Forward (e.g. the Epoch executor).
+    `task`: an `ArithTask` or a `get_task` name.
     `seeds`: one decoding run per seed (uniform-state sampling draws noise; masked threshold decoding is greedy and
     gives the same tokens for every seed); accuracy and counters are reported per seed and pooled.
     `examples`: how many (prompt, output, correct) triples to include for inspection.
@@ -77,12 +78,15 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
         raise ValueError(f"--n {n}: must be a positive integer")
     if batch_size is not None and batch_size <= 0:
         raise ValueError(f"--batch-size {batch_size}: must be a positive integer")
+    if isinstance(task, str):
+        from dblock.tasks import get_task
+        task = get_task(task)
     dec = (dec or DecodeConfig()).validate()
     tok = _as_tokenizer(tokenizer, model_or_forward)
     probs = task.examples(split, n, start=start)
     prompts = [tok.encode(e.prompt) for e in probs]
     seeds = list(seeds) if seeds else [dec.seed]
-    per_seed, all_passes, all_blocks, all_Y, kinds_ok = [], [], [], [], {}
+    per_seed, all_passes, all_blocks, all_Y, kinds_ok, kinds_passes = [], [], [], [], {}, {}
     first_block_passes = []
     shown = []
     sums = {k: 0.0 for k in ("Y", "K", "F", "Q", "den_s", "den_calls", "wall_s")}
@@ -97,6 +101,7 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
             correct += ok
             kinds_ok.setdefault(e.kind, []).append(ok)
             all_passes += [b.passes for b in c.blocks]
+            kinds_passes.setdefault(e.kind, []).extend(b.passes for b in c.blocks)
             first_block_passes.append(c.blocks[0].passes if c.blocks else 0)
             all_blocks.append(c.K)
             all_Y.append(c.Y)
@@ -130,6 +135,7 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
         "wall_s": sums["wall_s"],
         "passes_per_block_mean": F / K if K else 0.0,
         "passes_per_block_hist": histogram(all_passes),
+        "passes_per_block_mean_by_kind": {k: sum(v) / len(v) for k, v in sorted(kinds_passes.items()) if v},
         "first_block_passes_mean": sum(first_block_passes) / runs,
         "blocks_per_answer_mean": K / runs,
         "blocks_per_answer_hist": histogram(all_blocks),
@@ -148,7 +154,8 @@ def format_report(r: dict) -> str:
              f"accuracy {r['accuracy']:.3f}  " + "  ".join(f"{k} {v:.3f}" for k, v in r["accuracy_by_kind"].items()),
              f"Y={r['Y']} K={r['K']} F={r['F']} Q={r['Q']} TPF={r['TPF']:.3f} T_den={r['T_den_ms']:.2f}ms "
              f"TPS={r['TPS']:.1f} wall_TPS={r['wall_TPS']:.1f} wall={r['wall_s']:.1f}s",
-             f"passes/block mean {r['passes_per_block_mean']:.2f} (first block {r['first_block_passes_mean']:.2f}); "
+             f"passes/block mean {r['passes_per_block_mean']:.2f} (first block {r['first_block_passes_mean']:.2f}; "
+             + ", ".join(f"{k} {v:.2f}" for k, v in r["passes_per_block_mean_by_kind"].items()) + "); "
              f"blocks/answer {r['blocks_per_answer_mean']:.2f}; tokens/answer {r['tokens_per_answer_mean']:.1f}; "
              f"EOS rate {r['eos_rate']:.3f}",
              "passes/block histogram: " + " ".join(f"{k}:{v}" for k, v in r["passes_per_block_hist"].items())]

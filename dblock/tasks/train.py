@@ -21,14 +21,19 @@ llada2_moe (masked block diffusion, LLaDA2 SFT + BD3-LM training):
            expert_bias_e += u * sign(mean_load - load_e), loads counted from `taps["topk_ids"]` over every row
            of the step's forward (both halves).
 
+diffusion_gemma (uniform-state + self-conditioning): see `dblock.tasks.train_uniform` (encoder causal pass +
+decoder over every canvas, uniform replacement noise, two-pass self-conditioning, encoder AR loss, Switch aux loss).
+
 Determinism: the examples and the noise of step s are pure functions of (seed, s) (examples come from the task's
 hash-seeded train stream, noise from a torch.Generator seeded with (seed, s)), so the same seed and the same number
 of steps give bit-identical weights, and a run resumed from a checkpoint equals the uninterrupted run.
-Checkpoints (`DIR/train_state.pt`: model, optimizer, step, RNG, history) are written every `save_every` steps and
-at the end; the HF folder (config.json, model.safetensors, tokenizer.json) is written at the end.
+Bit-identical needs the same torch build and thread count (default 1 thread: on the shared 2-core machine 2 threads
+ran ~4x slower from oversubscription). Checkpoints (`DIR/train_state.pt`: model incl. expert bias, optimizer, step,
+RNG, history) are written every `save_every` steps and at the end; the HF folder (config.json, model.safetensors,
+tokenizer.json) is written at the end.
 
-Time budget: `--minutes N` without `--steps` times the first `calibrate_steps` steps and fixes the total number of
-steps so the run fits N minutes (the cosine schedule needs a known length); the summary prints the equivalent
+Time budget: `--minutes N` without `--steps` times `calibrate_steps` steps (after 5 warm ones) and fixes the total
+number of steps so the run fits N minutes (the cosine schedule needs a known length); the summary prints the equivalent
 `--steps` command that reproduces the run bit for bit.
 """
 from __future__ import annotations
@@ -39,7 +44,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -134,6 +139,9 @@ def init_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
 
 
 def build_model(cfg: TrainConfig) -> torch.nn.Module:
+    if cfg.family == "diffusion_gemma":
+        from dblock.tasks.train_uniform import build_gemma
+        return build_gemma(cfg)
     from dblock.reference.llada import LladaModel
     model = LladaModel(llada2_config(cfg.size, cfg.block_size))
     init_weights(model, cfg.seed)
@@ -189,8 +197,8 @@ def encode_example(tok: CharTokenizer, ex) -> tuple[list, int]:
 _CHUNK_CACHE: dict = {}
 
 
-def batch_for_step(task, tok: CharTokenizer, cfg: TrainConfig, step: int):
-    """The clean batch of optimizer step `step`: x0 (B, L) int64, prompt (B, L) bool, L a multiple of C.
+def rows_for_step(task, tok: CharTokenizer, cfg: TrainConfig, step: int) -> list:
+    """The examples of optimizer step `step`: [(ids of prompt + answer + <eos>, prompt length)].
 
     Steps are grouped in chunks of `length_chunk`: the chunk's examples (the task's train stream at indices
     offset by the seed) are sorted by length and cut into batches, whose order inside the chunk is a seeded
@@ -204,8 +212,14 @@ def batch_for_step(task, tok: CharTokenizer, cfg: TrainConfig, step: int):
         order = sorted(range(n * B), key=lambda i: (len(encoded[i][0]), i))
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, chunk, 1))).tolist()
         _CHUNK_CACHE.update(key=key, batches=[[encoded[i] for i in order[j * B:(j + 1) * B]] for j in perm])
-    rows = _CHUNK_CACHE["batches"][within]
-    C = cfg.block_size
+    return _CHUNK_CACHE["batches"][within]
+
+
+def batch_for_step(task, tok: CharTokenizer, cfg: TrainConfig, step: int):
+    """The clean llada2 batch of step `step`: x0 (B, L) int64, prompt (B, L) bool, L a multiple of C (the grid
+    layout: the prompt at position 0 shares the first block), <eos> padding up to L."""
+    rows = rows_for_step(task, tok, cfg, step)
+    B, C = len(rows), cfg.block_size
     L = -(-max(len(ids) for ids, _ in rows) // C) * C
     x0 = torch.full((B, L), tok.eos_id, dtype=torch.long)
     prompt = torch.zeros(B, L, dtype=torch.bool)
@@ -286,7 +300,7 @@ def balance_stats(loads: torch.Tensor) -> dict:
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for name, p in sorted(model.named_parameters()):
-        (decay if p.ndim >= 2 and name != "embed.weight" else no_decay).append(p)
+        (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -337,9 +351,8 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
     `stop_after`: stop (with a checkpoint, without the final export) once this many steps are done -- for tests
     of resumption and for splitting a long run.
     """
-    if cfg.family != "llada2_moe":
-        raise ValueError(f"--family {cfg.family}: train-tiny supports llada2_moe (diffusion_gemma needs "
-                         "dblock.reference.gemma, not available yet)")
+    if cfg.family not in ("llada2_moe", "diffusion_gemma"):
+        raise ValueError(f"--family {cfg.family}: train-tiny supports llada2_moe, diffusion_gemma")
     if not cfg.out:
         raise ValueError("--out: give an output folder")
     if not resume and cfg.steps is None and cfg.minutes is None:
@@ -365,6 +378,9 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
         step, total = state["step"], state["total_steps"]
         elapsed_before, history = state["elapsed_s"], state["history"]
     task = make_task(cfg)
+    uniform = cfg.family == "diffusion_gemma"
+    if uniform:
+        from dblock.tasks.train_uniform import uniform_loss
     model = build_model(cfg)
     opt = make_optimizer(model, cfg)
     n_moe = len(model.config.moe_layers)
@@ -391,28 +407,35 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
     while total is None or step < total:
         if stop_after is not None and step >= stop_after:
             break
-        x0, prompt = batch_for_step(task, tok, cfg, step)
         gen = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2))
-        xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps, gen)
         lr = lr_at(step, cfg, total if total is not None else 10 ** 9)
         for g in opt.param_groups:
             g["lr"] = lr
         taps = {}
-        loss, info = diffusion_loss(model, x0, xt, masked, p, prompt, taps)
+        if uniform:
+            loss, info = uniform_loss(model, rows_for_step(task, tok, cfg, step), gen, taps)
+        else:
+            x0, prompt = batch_for_step(task, tok, cfg, step)
+            xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps, gen)
+            loss, info = diffusion_loss(model, x0, xt, masked, p, prompt, taps)
+            info["L"] = int(x0.shape[1])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         loads = expert_loads(model, taps)
-        update_expert_bias(model, loads, cfg.bias_update)
+        if not uniform:
+            update_expert_bias(model, loads, cfg.bias_update)
         loads_acc = loads_acc * 0.99 + loads.double()
         step += 1
-        recent.append((loss.item(), info["ce"], info["acc"]))
+        recent.append((loss.item(), info["ce"], info["acc"], info.get("ar", 0.0), info.get("aux", 0.0)))
         if step % cfg.log_every == 0 or step == total:
             m = [sum(x) / len(recent) for x in zip(*recent)]
             rec = {"step": step, "loss": round(m[0], 4), "ce": round(m[1], 4), "acc": round(m[2], 4),
-                   "lr": round(lr, 6), "grad_norm": round(float(gnorm), 3), "L": int(x0.shape[1]),
+                   "lr": round(lr, 6), "grad_norm": round(float(gnorm), 3), "L": int(info["L"]),
                    "elapsed_s": round(elapsed_before + time.perf_counter() - t_start, 1)}
+            if uniform:
+                rec.update(ar=round(m[3], 4), aux=round(m[4], 4))
             history.append(rec)
             recent = []
             if bar is not None:
@@ -425,7 +448,8 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
             per_step = (time.perf_counter() - t_cal) / cfg.calibrate_steps
             spent = elapsed_before + time.perf_counter() - t_start
             total = max(step + 1, step + int((cfg.minutes * 60 - spent) / per_step))
-            log(f"train-tiny: {per_step:.2f} s/step over {cfg.calibrate_steps} steps -> {total} steps for {cfg.minutes} min")
+            log(f"train-tiny: {per_step:.2f} s/step over {cfg.calibrate_steps} steps -> {total} steps "
+                f"for {cfg.minutes} min")
             if bar is not None:
                 bar.total = total
                 bar.refresh()
@@ -441,9 +465,9 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
                "config": asdict(cfg), "reproduce": reproduce_command(cfg, total) if total else None,
                "final": history[-1] if history else None,
                "expert_balance_ema": balance_stats(loads_acc) if loads_acc.sum() > 0 else None,
-               "expert_bias_range": [[round(float(layer.mlp.expert_bias.min()), 4),
-                                      round(float(layer.mlp.expert_bias.max()), 4)]
-                                     for layer in model.layers if layer.is_moe]}
+               "expert_bias_range": None if uniform else [[round(float(layer.mlp.expert_bias.min()), 4),
+                                                           round(float(layer.mlp.expert_bias.max()), 4)]
+                                                          for layer in model.layers if layer.is_moe]}
     if total is not None and step >= total:
         export(model, cfg.out, tok)
         with open(os.path.join(cfg.out, SUMMARY_FILE), "w") as f:
@@ -456,6 +480,9 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
 def export(model, out: str, tok: CharTokenizer) -> None:
     """The HF folder: config.json + model.safetensors (dblock.save) and tokenizer.json (+ tokenizer_config.json)."""
     from dblock.weights import save
+    if model.config.family == "diffusion_gemma":
+        from dblock.tasks.train_uniform import export_gemma
+        return export_gemma(model, out, tok)
     model.eval()
     save(model, out)
     tok.save(out)

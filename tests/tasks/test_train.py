@@ -157,9 +157,70 @@ def test_determinism_resume_and_export(tmp_path):
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="--steps or --minutes"):
         train(micro_cfg(tmp_path, steps=None))
-    with pytest.raises(ValueError, match="diffusion_gemma"):
-        train(micro_cfg(tmp_path, family="diffusion_gemma"))
+    with pytest.raises(ValueError, match="--family"):
+        train(micro_cfg(tmp_path, family="llada_moe"))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(micro_cfg(tmp_path / "none"), resume=True)
     with pytest.raises(ValueError, match="--size"):
         llada2_config("huge")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# diffusion_gemma (uniform-state) objective
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_uniform_training_forward_equals_reference_decoding():
+    """Encoder K/V + decoder pass of the uniform objective give, for canvas 1, the logits the reference executor
+    computes after prefilling the prompt and appending canvas 0 (sliding window shorter than the row)."""
+    from dblock.forward import Segment, StepInput, block_causal
+    from dblock.reference.gemma import GemmaReference
+    from dblock.tasks.train_uniform import decoder_masks, encoder_masks, uniform_rows
+
+    model = build_model(TrainConfig(family="diffusion_gemma", size="micro", seed=1)).double().eval()
+    cfg = model.config
+    C, W = cfg.canvas_length, cfg.sliding_window
+    assert W < 2 * C
+    g = torch.Generator().manual_seed(0)
+    P = 5
+    ids = torch.randint(4, 32, (P + 2 * C,), generator=g).tolist()
+    x, valid, Pt, n_canvas = uniform_rows([(ids, P)], C, cfg.eos_token_id, cfg.pad_token_id)
+    assert n_canvas == 2 and x.shape == (1, P + 2 * C)
+    xt = torch.randint(0, 32, (1, 2 * C), generator=g)
+    sc = torch.randn(2 * C, 32, generator=g, dtype=torch.float64)
+    positions = torch.arange(x.shape[1])[None]
+    with torch.no_grad():
+        _, kv = model._stack(model.embed(x), positions, encoder_masks(valid, W), None, decoder=False, taps=None)
+        soft = model.soft_embed(sc)[None]
+        hidden = model.decode(xt, P + torch.arange(2 * C)[None], decoder_masks(valid, Pt, 2, C, W), kv, soft)
+        train_logits = model.logits(hidden[0, C:])
+
+    fwd = GemmaReference(model)
+    cache = fwd.new_cache()
+    def fixed(t, s):
+        n = len(t)
+        return Segment(block=-1, tokens=t, positions=torch.arange(s, s + n), live=torch.zeros(n, dtype=torch.bool),
+                       decoded=torch.ones(n, dtype=torch.bool), role="prefix")
+    fwd.append([StepInput(0, [fixed(x[0, :P], 0)], block_causal(1), cache)])
+    fwd.append([StepInput(0, [fixed(x[0, P:P + C], P)], block_causal(1), cache)])
+    cur = Segment(block=1, tokens=xt[0, C:], positions=torch.arange(P + C, P + 2 * C),
+                  live=torch.ones(C, dtype=torch.bool), decoded=torch.zeros(C, dtype=torch.bool), sc_logits=sc[C:])
+    ref_logits = fwd.denoise([StepInput(0, [cur], torch.ones(1, 1, dtype=torch.bool), cache)])[0][0]
+    torch.testing.assert_close(train_logits, ref_logits, atol=1e-5, rtol=1e-5)  # logits/softmax run in fp32
+
+
+def test_uniform_determinism_and_export(tmp_path):
+    import dblock
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    kw = dict(family="diffusion_gemma", steps=2, save_every=1)
+    s = train(micro_cfg(a, **kw), log=lambda *_: None)
+    train(micro_cfg(b, **kw), log=lambda *_: None)
+    A, B = _state(a), _state(b)
+    for k in A["model"]:
+        assert torch.equal(A["model"][k], B["model"][k]), k
+    assert s["final"]["ar"] > 0 and s["expert_balance_ema"] is not None
+    model = dblock.load(str(a))
+    assert model.config.family == "diffusion_gemma" and model.config.canvas_length == 16
+    assert model.config.eos_token_id == 1 and model.config.pad_token_id == 0 and (a / "tokenizer.json").exists()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, A["model"][k]), k

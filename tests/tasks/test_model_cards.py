@@ -1,0 +1,101 @@
+"""The bundled models' cards: every number re-computed by the command the card names."""
+import json
+import os
+import shutil
+
+import pytest
+
+from dblock.cli import main
+from dblock.tasks.card import CARD_JSON, CARD_MD, build_card, read_card, render_markdown, run_eval_command, task_of
+from dblock.weights import CHECKPOINTS_DIR
+
+BUNDLED = ["tiny-masked", "tiny-uniform"]
+
+
+def _card(name):
+    folder = os.path.join(CHECKPOINTS_DIR, name)
+    card = read_card(folder)
+    assert card is not None, f"{folder}: no {CARD_JSON}; write it with `dblock model-card`"
+    return folder, card
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_card_matches_a_fresh_evaluation(name):
+    folder, card = _card(name)
+    assert card["name"] == name and card["eval_command"].startswith(f"dblock eval --model {name} ")
+    r = run_eval_command(card["eval_command"])
+    e = card["eval"]
+    assert r["accuracy"] == e["accuracy"]
+    assert r["accuracy_by_kind"] == e["accuracy_by_kind"]
+    assert (r["Y"], r["K"], r["F"]) == (e["Y"], e["K"], e["F"])
+    assert r["passes_per_block_hist"] == e["passes_per_block_hist"]
+    md = open(os.path.join(folder, CARD_MD)).read()
+    assert f"accuracy **{e['accuracy']:.3f}**" in md and card["train_command"] in md
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_card_describes_the_weights_beside_it(name):
+    import dblock
+    folder, card = _card(name)
+    m = dblock.load(name)
+    assert m.config.family == card["family"]
+    assert sum(p.numel() for p in m.parameters()) == card["params"]
+    assert f"--family {card['family']}" in card["train_command"] and f"--steps {card['train_steps']}" in \
+        card["train_command"]
+    assert task_of(name) == card["task"]
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    assert size <= 20 * 2 ** 20, f"{folder}: {size} bytes, over the 20 MB budget for a bundled model"
+
+
+def test_task_of_defaults_without_a_card(tmp_path):
+    assert task_of(str(tmp_path)) == "arith"
+    assert task_of("no-such-model", default="x") == "x"
+
+
+def _summary():
+    return {"config": {"family": "llada2_moe", "size": "base", "task": "arith-small", "block_size": 16, "threads": 1},
+            "params": 123, "steps_done": 10, "wall_s": 90.0, "final": {"loss": 1.0},
+            "reproduce": "dblock train-tiny --family llada2_moe --out /tmp/private/run --steps 10 --seed 0",
+            "history": [{"step": s, "loss": 1.0 / s, "acc": 0.1} for s in range(1, 26)]}
+
+
+def test_build_card_hides_the_private_folder_and_keeps_the_last_step():
+    r = {"n": 4, "split": "test", "accuracy": 0.5, "accuracy_by_kind": {"add": 0.0, "rev": 1.0}, "Y": 8, "K": 4,
+         "F": 6, "TPF": 8 / 6, "passes_per_block_mean": 1.5, "passes_per_block_mean_by_kind": {"add": 2.0, "rev": 1.0},
+         "passes_per_block_hist": {"1": 2, "2": 2}, "blocks_per_answer_mean": 1.0, "eos_rate": 1.0}
+    card = build_card("tiny-x", _summary(), r, 4)
+    assert card["train_command"] == "dblock train-tiny --family llada2_moe --out runs/tiny-x --steps 10 --seed 0"
+    assert card["train_curve"][-1]["step"] == 25 and card["train_wall_min"] == 1.5
+    assert card["eval_command"] == "dblock eval --model tiny-x --task arith-small --n 4"
+    md = render_markdown(card)
+    assert "accuracy **0.500** over 4 problems (add 0.000, rev 1.000)" in md and "1:2 2:2" in md
+
+
+def test_model_card_cli_refuses_bad_input_and_writes_nothing(tmp_path, capsys):
+    folder = tmp_path / "m"
+    shutil.copytree(os.path.join(CHECKPOINTS_DIR, "tiny-masked"), folder,
+                    ignore=shutil.ignore_patterns(CARD_JSON, CARD_MD))
+    assert main(["model-card", "--model", str(folder), "--train-summary", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json: no such file" in capsys.readouterr().err
+    bad = tmp_path / "s.json"
+    bad.write_text(json.dumps({"config": {}}))
+    assert main(["model-card", "--model", str(folder), "--train-summary", str(bad)]) == 2
+    assert "missing key 'params'" in capsys.readouterr().err
+    s = tmp_path / "ok.json"
+    s.write_text(json.dumps(_summary()))
+    assert main(["model-card", "--model", str(folder), "--train-summary", str(s), "--task", "arith"]) == 2
+    assert "trained on 'arith-small'" in capsys.readouterr().err
+    assert not (folder / CARD_JSON).exists() and not (folder / CARD_MD).exists()
+
+
+def test_model_card_cli_writes_both_files(tmp_path, capsys):
+    folder = tmp_path / "m"
+    shutil.copytree(os.path.join(CHECKPOINTS_DIR, "tiny-masked"), folder,
+                    ignore=shutil.ignore_patterns(CARD_JSON, CARD_MD))
+    s = tmp_path / "ok.json"
+    s.write_text(json.dumps(_summary()))
+    assert main(["model-card", "--model", str(folder), "--train-summary", str(s), "--n", "4"]) == 0
+    card = read_card(str(folder))
+    assert card["name"] == "m" and card["eval"]["n"] == 4 and card["task"] == "arith-small"
+    assert (folder / CARD_MD).read_text().startswith("# m\n")
+    assert "accuracy" in capsys.readouterr().out
