@@ -41,6 +41,21 @@ def test_paired_block_proposition_llada2(dtype):
     assert (densem[0] - alone).abs().max() > 1e-3
 
 
+def test_warmup_half_sees_the_current_block_as_if_committed_llada2():
+    """The warm-up half's positions and visibility: with the current block fully decoded, the warm-up block's logits
+    in a paired pass equal its logits once the current block is committed to the cache and it decodes alone."""
+    m = make_tiny_model("llada2_moe", seed=11, dtype=torch.float64)
+    fwd, M, C = LladaReference(m), m.config.mask_token_id, 8
+    cache = fwd.new_cache()
+    fwd.append([StepInput(0, [seg(list(range(10, 18)), 0, 0, M)], block_causal(1), cache)])
+    cur = seg(list(range(20, 28)), C, 1, M)
+    warm = seg([M] * 5 + [30, M, M], 2 * C, 2, M)
+    paired = fwd.denoise([StepInput(0, [cur, warm], block_causal(2), cache)])[0][1]
+    fwd.append([StepInput(0, [cur], block_causal(1), cache)])
+    alone = fwd.denoise([StepInput(0, [warm], block_causal(1), cache)])[0][0]
+    torch.testing.assert_close(paired, alone, **tol(torch.float64))
+
+
 def test_paired_block_proposition_diffusion_gemma():
     from dblock.reference.gemma import make_tiny_gemma
     m = make_tiny_gemma(seed=2, dtype=torch.float64)
