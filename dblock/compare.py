@@ -8,10 +8,15 @@ fit_alpha`, single root on [−1/2, 1)); the break-even verdict α > r − 1; th
 Figure 2 (share of a block's positions accepted on its first pass as current block, and kept until commit);
 accuracy when a grader is given.
 
+Uncertainty: every schedule decodes the same (prompt, seed) requests, so the TPF ratio and α are compared *paired*:
+a bootstrap over requests (resampling the same request indices for the schedule and for Native) gives 95%
+intervals `TPF_ratio_ci` and `alpha_ci`. Passes per block vary a lot between problems (an addition block can take
+ten times the passes of a reversal block), so without the pairing a difference of a few percent in TPF is noise.
+
 Reading the table: a schedule pays in throughput when α − (r − 1) > 0. TPF counts passes only, so it rises with
-every warm-up step that carries progress; TPS also pays for the wider pass (r). On a CPU the paired pass costs
-about twice a single one (no tile skipping, compute-bound), so r is near 2 and OBA rarely pays in TPS here even
-when it raises TPF — exactly the paper's break-even argument; `dblock simulate pass` predicts r on GPUs.
+every warm-up step that carries progress; TPS also pays for the wider pass (r), measured here from wall time, which
+on a small model at batch 1 is mostly per-call overhead (r near 1, ±15% between runs); `dblock simulate pass`
+predicts r on GPUs.
 """
 from __future__ import annotations
 
@@ -50,15 +55,46 @@ def run_schedule(fwd, prompts, dec, name: str, seeds, batch_size: Optional[int] 
            "n": s["F"] / s["K"] if s["K"] else math.nan, "tokens_per_block": s["Y"] / s["K"] if s["K"] else 0.0,
            "first_pass_accepted": sum(b.first_pass_accepted for b in blocks) / positions if positions else 0.0,
            "first_pass_kept": sum(b.first_pass_kept for b in blocks) / positions if positions else 0.0,
-           "blocks_per_response": s["K"] / len(reqs)}
+           "blocks_per_response": s["K"] / len(reqs),
+           "per_request": {k: [getattr(c, k) for c in res.counters] for k in ("Y", "Q", "F", "K")}}
     if grader is not None:
         ok = [grader(r.prompt, toks) for r, toks in zip(reqs, res.tokens)]
         row["accuracy"] = sum(ok) / len(ok)
     return row
 
 
-def derive(rows: list) -> list:
-    """Add r, naive ᾱ, fitted α and the verdict against the Native(C) row."""
+def paired_bootstrap(row: dict, base: dict, n_boot: int = 1000, seed: int = 0, alpha_fit: bool = True) -> dict:
+    """95% percentile intervals of TPF(row)/TPF(base) and of the fitted α, resampling requests (paired: the same
+    indices for both rows, which decoded the same prompts under the same seeds)."""
+    import numpy as np
+
+    from dblock.simulator.oba import fit_alpha
+    a, b = row.get("per_request"), base.get("per_request")
+    if not a or not b or len(a["Y"]) != len(b["Y"]) or len(a["Y"]) < 2:
+        return {}
+    A = {k: np.asarray(v, dtype=float) for k, v in a.items()}
+    B = {k: np.asarray(v, dtype=float) for k, v in b.items()}
+    n = len(A["Y"])
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    ya, qa, yb, qb = (M[k][idx].sum(1) for M, k in ((A, "Y"), (A, "Q"), (B, "Y"), (B, "Q")))
+    ok = (qa > 0) & (qb > 0) & (yb > 0)
+    ratio = (ya[ok] / qa[ok]) / (yb[ok] / qb[ok])
+    out = {"TPF_ratio_ci": [float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))]} if ratio.size else {}
+    if alpha_fit:
+        fa, ka, fb, kb = (M[k][idx].sum(1) for M, k in ((A, "F"), (A, "K"), (B, "F"), (B, "K")))
+        alphas = []
+        for i in range(n_boot):
+            try:
+                alphas.append(fit_alpha(fa[i], ka[i], n, fb[i] / kb[i]))
+            except ValueError:
+                pass
+        if len(alphas) >= n_boot // 2:     # otherwise the fit is undefined on too many resamples to quote
+            out["alpha_ci"] = [float(np.percentile(alphas, 2.5)), float(np.percentile(alphas, 97.5))]
+    return out
+
+
+def derive(rows: list, n_boot: int = 1000) -> list:
+    """Add r, naive ᾱ, fitted α, the verdict and paired 95% intervals against the Native(C) row."""
     from dblock.simulator.oba import fit_alpha, naive_alpha
 
     base = next((r for r in rows if r["schedule"] == "native"), None)
@@ -70,6 +106,8 @@ def derive(rows: list) -> list:
         r["TPF_ratio"] = r["TPF"] / base["TPF"] if base["TPF"] else None
         r["TPS_ratio"] = r["TPS"] / base["TPS"] if base["TPS"] else None
         nbar = base["F"] / base["K"]
+        if r is not base and n_boot:
+            r.update(paired_bootstrap(r, base, n_boot, alpha_fit=r["schedule"] != "native2c"))
         if r["schedule"] == "native2c":   # a wider block: alpha (passes saved per warm-up step) does not apply
             r["verdict"] = "pays" if r["TPS_ratio"] and r["TPS_ratio"] > 1 else "does not pay"
             continue
@@ -99,11 +137,11 @@ def compare_schedules(fwd, prompts: Sequence, dec: DecodeConfig, schedules: Sequ
     return derive(rows)
 
 
-COLUMNS = [("schedule", "{:<12}"), ("TPF", "{:>6.2f}"), ("TPS", "{:>8.1f}"), ("T_den_ms", "{:>8.2f}"),
+COLUMNS = [("schedule", "{:<12}"), ("TPF", "{:>6.2f}"), ("TPF_ratio_ci", "{:>13}"), ("TPS", "{:>8.1f}"), ("T_den_ms", "{:>8.2f}"),
            ("r", "{:>5.2f}"), ("n", "{:>6.2f}"), ("alpha_naive", "{:>6.2f}"), ("alpha", "{:>6.2f}"),
-           ("margin", "{:>7.2f}"), ("verdict", "{:>13}"), ("first_pass_accepted", "{:>6.2f}"),
+           ("alpha_ci", "{:>13}"), ("margin", "{:>7.2f}"), ("verdict", "{:>13}"), ("first_pass_accepted", "{:>6.2f}"),
            ("accuracy", "{:>6.3f}")]
-HEADERS = {"schedule": "schedule", "TPF": "TPF", "TPS": "TPS", "T_den_ms": "T_den ms", "r": "r", "n": "n/blk",
+HEADERS = {"schedule": "schedule", "TPF": "TPF", "TPF_ratio_ci": "TPF× 95% CI", "alpha_ci": "α 95% CI", "TPS": "TPS", "T_den_ms": "T_den ms", "r": "r", "n": "n/blk",
            "alpha_naive": "ᾱ", "alpha": "α", "margin": "α-(r-1)", "verdict": "verdict",
            "first_pass_accepted": "1st-acc", "accuracy": "acc"}
 
@@ -117,6 +155,8 @@ def format_table(rows: list) -> str:
         cells = []
         for (k, f), w in zip(cols, widths):
             v = r.get(k)
+            if isinstance(v, (list, tuple)):
+                v = f"{v[0]:.2f}..{v[1]:.2f}"
             cells.append(("-".rjust(w) if k != "schedule" else "-".ljust(w)) if v is None else f.format(v).rjust(w)
                          if k != "schedule" else f.format(v).ljust(w))
         lines.append("  ".join(cells))

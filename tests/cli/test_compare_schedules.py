@@ -48,3 +48,34 @@ def test_cli_json_and_llada_moe_skips_multiblock(tmp_path, tiny_dirs, capsys):
     f.write_text("hello\n")
     rc = main(["compare-schedules", "--model", tiny_dirs["llada2_moe"], "--prompts", str(f)])
     assert rc == 2 and "tokenizer.json" in capsys.readouterr().err
+
+
+def _row(name, Y, Q, F, K):
+    return {"schedule": name, "T_den_ms": 1.0, "TPF": sum(Y) / sum(Q), "TPS": 1.0, "F": sum(F), "K": sum(K),
+            "R": len(Y), "per_request": {"Y": Y, "Q": Q, "F": F, "K": K}}
+
+
+def test_paired_bootstrap_intervals():
+    from dblock.compare import paired_bootstrap
+    # requests of very different lengths; the schedule saves exactly one pass in every request of 3 blocks
+    Y = [16, 48, 16, 48, 48, 16] * 5
+    Kb = [1, 3, 1, 3, 3, 1] * 5
+    Fb = [2, 30, 1, 24, 27, 3] * 5
+    Fo = [f - (k == 3) for f, k in zip(Fb, Kb)]
+    base = _row("native", Y, [f + k for f, k in zip(Fb, Kb)], Fb, Kb)
+    oba = _row("oba", Y, [f + k for f, k in zip(Fo, Kb)], Fo, Kb)
+    ci = paired_bootstrap(oba, base, n_boot=400)
+    lo, hi = ci["TPF_ratio_ci"]
+    assert 1.0 < lo <= oba["TPF"] / base["TPF"] <= hi      # every resample shows the saving: the interval excludes 1
+    alo, ahi = ci["alpha_ci"]
+    assert 0.0 < alo <= ahi < 1.0
+    # identical rows: a degenerate interval at exactly 1
+    assert paired_bootstrap(base, base, n_boot=50)["TPF_ratio_ci"] == [1.0, 1.0]
+    # different request sets cannot be paired: no interval rather than a wrong one
+    assert paired_bootstrap(_row("x", Y[:5], Y[:5], Fb[:5], Kb[:5]), base) == {}
+    # derive attaches them to every non-native row and the table prints them
+    from dblock.compare import format_table
+    rows = derive([base, oba])
+    assert "TPF_ratio_ci" in rows[1] and "TPF_ratio_ci" not in rows[0]
+    dlo, dhi = rows[1]["TPF_ratio_ci"]
+    assert f"{dlo:.2f}..{dhi:.2f}" in format_table(rows)
