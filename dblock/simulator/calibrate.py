@@ -190,11 +190,13 @@ class Calibrated:
     delta: float | None = None
     delta_from: str | None = None
     gamma: float = 0.9
+    delta_note: str | None = None                  # why δ could not be calibrated (then α is not predicted)
 
     def as_dict(self) -> dict:
         return dict(nbar=self.nbar, native_t_den=self.native_t_den, liveness=None if self.liveness is None else
                     self.liveness.as_dict(), cost_fit=None if self.cost_fit is None else self.cost_fit.as_dict(),
-                    alphas=self.alphas, delta=self.delta, delta_from=self.delta_from, gamma=self.gamma)
+                    alphas=self.alphas, delta=self.delta, delta_from=self.delta_from, gamma=self.gamma,
+                    delta_note=self.delta_note)
 
 
 def calibrate(runs: list[Run], hw: Hardware | None = None, cfg: ModelConfig | None = None,
@@ -238,9 +240,14 @@ def calibrate(runs: list[Run], hw: Hardware | None = None, cfg: ModelConfig | No
             sched = SCHEDULE_ALIASES.get(delta_from, delta_from)
             kdist = src.counters()["blocks_per_response"] or [max(1, round(alphas[delta_from]["K"] /
                                                                               alphas[delta_from]["R"]))]
-            cal.delta = calibrate_delta(profile, sched, alphas[delta_from]["alpha"], list(kdist), responses=len(
-                kdist), gamma=gamma)
             cal.delta_from = delta_from
+            try:
+                cal.delta = calibrate_delta(profile, sched, alphas[delta_from]["alpha"], list(kdist),
+                                            responses=len(kdist), gamma=gamma)
+            except ValueError as e:
+                # e.g. a measured α < 0 (warm-up steps hurt): the position model's δ >= 0 cannot reproduce it.
+                # The cost fit and the Native predictions stand; α of other schedules is then not predicted.
+                cal.delta_note = f"δ not calibrated on {delta_from}: {e}"
     return cal
 
 
@@ -260,15 +267,30 @@ def predict_run(cal: Calibrated, run: Run) -> dict:
         t_pred = float(np.mean(times)) if times else float("nan")
     else:
         t_pred = float("nan")
+    if sched.startswith("flowblock"):          # trace names carry the window: flowblock2, flowblock3, ...
+        sched = "flowblock"
+    bracket = None
     if sched == "native":
         n_pred, a_pred = cal.nbar, 0.0
-    elif cal.delta is not None and cal.profile is not None:
-        ks = c["blocks_per_response"] or [max(1, round(c["K"] / c["R"]))]
-        m = PositionModel(cal.profile, delta=cal.delta, integer=False)
-        pr = predict_alpha(m, sched, list(ks), responses=len(ks), gamma=cal.gamma)
+    elif cal.delta is None or cal.profile is None:
+        n_pred, a_pred = float("nan"), float("nan")
+        out["note"] = cal.delta_note or "no δ calibrated (no --delta-from run): α not predicted"
+    elif sched in ("oba", "flowblock", "keep_tokens"):
+        ks = list(c["blocks_per_response"] or [max(1, round(c["K"] / c["R"]))])
+        if sched == "keep_tokens":
+            # tokens only: the position model's two rules for what a promoted token saves bracket the answer
+            preds = [predict_alpha(PositionModel(cal.profile, delta=cal.delta, integer=False, policy="keep_tokens",
+                                                 token_rule=rule), "oba", ks, responses=len(ks), gamma=0.0)
+                     for rule in ("max", "count")]
+            bracket = sorted(p.alpha for p in preds)
+            pr = preds[1]
+        else:
+            pr = predict_alpha(PositionModel(cal.profile, delta=cal.delta, integer=False), sched, ks,
+                               responses=len(ks), gamma=cal.gamma)
         n_pred, a_pred = pr.F / pr.K, pr.alpha
     else:
         n_pred, a_pred = float("nan"), float("nan")
+        out["note"] = f"{run.schedule}: the position model has no rule for this schedule (oba, flowblock, keep_tokens)"
     rho = c["tokens_per_block"] / cal.native_tokens_per_block
     r_meas = c["t_den"] / cal.native_t_den
     r_pred = t_pred / cal.native_t_den
@@ -283,6 +305,8 @@ def predict_run(cal: Calibrated, run: Run) -> dict:
         return (p - m) / m if m else float("nan")
 
     out["predicted"] = dict(t_den=t_pred, n=n_pred, alpha=a_pred, r=r_pred, tps_ratio=tps_pred)
+    if bracket is not None:
+        out["predicted"]["alpha_bracket"] = bracket
     out["measured"].update(alpha=a_meas, r=r_meas, tps_ratio=tps_meas)
     out["rel_error"] = dict(t_den=err(t_pred, c["t_den"]), n=err(n_pred, c["n"]), tps_ratio=err(tps_pred, tps_meas))
     return out

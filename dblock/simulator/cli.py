@@ -396,11 +396,16 @@ def _calibrate(args) -> int:
                      f"pays: {a['alpha'] > a['r'] - 1}")
     if cal.delta is not None:
         lines.append(f"δ = {cal.delta:.3f} (from {cal.delta_from})")
+    elif cal.delta_note:
+        lines.append(cal.delta_note + " -> α of held-out schedules is not predicted")
     for p in preds:
         pr, me, er = p["predicted"], p["measured"], p["rel_error"]
+        al = (f", α pred {pr['alpha']:.3f}" + (f" (bracket {pr['alpha_bracket'][0]:.3f}..{pr['alpha_bracket'][1]:.3f})"
+              if "alpha_bracket" in pr else "") + f" vs fitted {me['alpha']:.3f}") if p["schedule"] != "native" else ""
         lines.append(f"held out {p['path']} ({p['schedule']}): TPS ratio pred {pr['tps_ratio']:.3f} vs measured "
                      f"{me['tps_ratio']:.3f} ({100 * er['tps_ratio']:+.1f}%), n pred {pr['n']:.2f} vs {me['n']:.2f}, "
-                     f"T_den pred {1e3 * pr['t_den']:.3f} vs {1e3 * me['t_den']:.3f} ms")
+                     f"T_den pred {1e3 * pr['t_den']:.3f} vs {1e3 * me['t_den']:.3f} ms{al}"
+                     + (f" [{p['note']}]" if p.get("note") else ""))
     _emit(args, dict(calibration=cal.as_dict(), predictions=preds), "\n".join(lines))
     return 0
 

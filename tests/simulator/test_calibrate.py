@@ -1,5 +1,5 @@
-"""Calibration from traces, tested on synthetic traces written by the SimPy decoding model (the executors' real
-traces do not exist yet; SIMULATOR.md lists the commands to run once they do)."""
+"""Calibration from traces: synthetic traces written by the SimPy decoding model (known generating values), and
+real traces written by the reference executor (`compare-schedules --trace-dir`)."""
 import pytest
 
 from dblock.simulator import calibrate, cost, oba
@@ -93,3 +93,43 @@ def test_bad_trace_line(tmp_path):
     p.write_text('{"event": "run"}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         calibrate.Run.load(str(p))
+
+
+def test_delta_that_cannot_be_calibrated_is_reported_not_fatal(traces, monkeypatch):
+    def refuse(*a, **k):
+        raise ValueError("calibrate_delta: alpha=-0.05 is below what delta = 0 gives on this profile (0.000)")
+    monkeypatch.setattr(calibrate, "calibrate_delta", refuse)
+    runs = [calibrate.Run.load(traces["native"]), calibrate.Run.load(traces["oba"])]
+    cal = calibrate.calibrate(runs, hw=HW, cfg=CFG, delta_from="oba", gamma=0.5)
+    assert cal.delta is None and "below what delta = 0 gives" in cal.delta_note
+    assert cal.cost_fit is not None                      # the cost fit and the Native predictions stand
+    pred = calibrate.predict_run(cal, calibrate.Run.load(traces["flowblock"]))
+    assert pred["predicted"]["alpha"] != pred["predicted"]["alpha"] and "below what delta" in pred["note"]
+    assert "delta_note" in cal.as_dict()
+
+
+def test_real_executor_traces(tmp_path):
+    """Traces written by the reference executor calibrate, and the held-out schedules are named as the executor
+    names them (flowblock2), with Keep Tokens as a bracket and unsupported ablations marked, not guessed."""
+    from dblock.compare import compare_schedules
+    from dblock.config import DecodeConfig
+    from dblock.reference.generate import reference_forward
+    from dblock.tiny import make_tiny_model
+    fwd = reference_forward(make_tiny_model("llada2_moe", seed=3))
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
+    compare_schedules(fwd, prompts, DecodeConfig(max_new_tokens=48, rule="fixed-k", steps=8),
+                      ["native", "oba", "flowblock", "keep_tokens", "no_accept"], trace_dir=str(tmp_path))
+    runs = {s: calibrate.Run.load(str(tmp_path / f"{s}.jsonl")) for s in ("native", "oba", "flowblock",
+                                                                          "keep_tokens", "no_accept")}
+    assert runs["flowblock"].schedule == "flowblock2"
+    cal = calibrate.calibrate([runs["native"], runs["oba"]], delta_from="oba", gamma=0.5)
+    assert cal.nbar == pytest.approx(runs["native"].counters()["n"])
+    preds = {s: calibrate.predict_run(cal, runs[s]) for s in ("flowblock", "keep_tokens", "no_accept")}
+    if cal.delta is not None:
+        n = preds["flowblock"]["predicted"]["n"]     # the position model ran (α's fit may have no root this small)
+        assert 0 < n <= cal.nbar
+        lo, hi = preds["keep_tokens"]["predicted"]["alpha_bracket"]
+        assert lo <= hi
+    else:
+        assert cal.delta_note
+    assert "no rule for this schedule" in preds["no_accept"].get("note", "") or cal.delta is None
