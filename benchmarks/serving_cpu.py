@@ -232,13 +232,11 @@ def server_side(path: str) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 def simcheck(args, data: dict) -> dict:
-    import math
     from dataclasses import replace
 
     import numpy as np
 
     from dblock.simulator import calibrate, cost, hardware
-    from dblock.simulator.positions import EmpiricalProfile, calibrate_delta
     from dblock.simulator.serving import ServeConfig, simulate_serving
 
     rates = data["rates"]
@@ -278,23 +276,17 @@ def simcheck(args, data: dict) -> dict:
             cal_runs.append(calibrate.Run.load(ical[oba][1]))
         cal = calibrate.calibrate(cal_runs, hw=hw, cfg=cfg, delta_from="oba" if oba in splits else None)
         fit = cal.cost_fit
-        # EmpiricalProfile takes C from its first block event, which on llada2's grid is a prompt-tail block with
-        # fewer denoised rows than C: give it the model's block size, and redo δ on that profile
-        profile = EmpiricalProfile(cal.profile.blocks, C=cfg.block_size)
-        delta = None
-        if oba in splits and not math.isnan(cal.alphas.get("oba", {}).get("alpha", float("nan"))):
-            kdist = [r["K"] for r in cal_runs[1].requests]
-            try:
-                delta = calibrate_delta(profile, "oba", cal.alphas["oba"]["alpha"], kdist, responses=len(kdist),
-                                        gamma=cal.gamma)
-            except ValueError as e:   # e.g. α < 0: warm-up hurts, which δ >= 0 cannot reproduce; OBA not predicted
-                print(f"[sim] {ex}: OBA not predicted: {e}", flush=True)
+        # δ and the Native profile as calibrate() fitted them (the profile's C is the traces' block size); when δ
+        # cannot be fitted (e.g. α < 0: warm-up hurts), OBA is reported and not simulated
+        profile, delta = cal.profile, cal.delta
+        if cal.delta_note:
+            print(f"[sim] {ex}: OBA not predicted: {cal.delta_note}", flush=True)
         out["fits"][ex] = dict(scale=fit.cal.scale, overhead_s=fit.cal.overhead_s,
                                median_abs_rel_err=fit.median_abs_rel_err, r2=fit.r2, nbar=cal.nbar, delta=delta,
-                               delta_calibrate_py=cal.delta, profile_C_calibrate_py=cal.profile.C, alphas=cal.alphas)
+                               delta_note=cal.delta_note, profile_C=profile.C, alphas=cal.alphas)
         print(f"[sim] {ex}: scale {fit.cal.scale:.3g}, overhead {1e6 * fit.cal.overhead_s:.1f} us/sub-block "
-              f"(median |err| {100 * fit.median_abs_rel_err:.1f}%), n̄ {cal.nbar:.2f}, δ {delta} "
-              f"(calibrate.py's profile: C={cal.profile.C}, δ {cal.delta})", flush=True)
+              f"(median |err| {100 * fit.median_abs_rel_err:.1f}%), n̄ {cal.nbar:.2f}, δ {delta} (profile C={profile.C})",
+              flush=True)
         # the workload (prompt and response lengths) as seen at the calibration rate
         calreq = cal_runs[0].requests
         C = cfg.block_size
