@@ -114,8 +114,7 @@ def run_demo(n=None, as_json=False) -> int:
             print(f"  {o['model']:<13} {o['executor']:<16} α {a}  r {o['r']:.2f}  predicted TPS ratio (1+α)/r "
                   f"{pred}  measured {o['measured_tps_ratio']:.2f}  -> {o['verdict']}")
     for x in rows:     # a schedule that changes answers is a finding, not a speedup: say so under the table
-        base = next((b for b in rows if b["model"] == x["model"] and b["executor"] == "reference"
-                     and b["schedule"] == "native"), None)
+        base = _native_row(rows, x["model"], "reference")
         if base and x["schedule"] == "oba" and x["accuracy"] < base["accuracy"] - 0.1:
             print(f"\nnote: {x['model']} {x['schedule']} ({x['executor']}) answers {x['accuracy']:.2f} vs "
                   f"{base['accuracy']:.2f} under Native: its warm-up half reads a partly masked current block, a "
@@ -127,14 +126,19 @@ def run_demo(n=None, as_json=False) -> int:
     return 0
 
 
+def _native_row(rows, model: str, executor: str):
+    """The Native-schedule row of `model` under `executor` (the baseline of every ratio), or None."""
+    return next((b for b in rows if b["model"] == model and b["executor"] == executor and b["schedule"] == "native"),
+                None)
+
+
 def _oba_summary(rows) -> list:
     from dblock.simulator.oba import fit_alpha, tps_ratio
     out = []
     for x in rows:
         if x["schedule"] != "oba":
             continue
-        base = next((b for b in rows if b["model"] == x["model"] and b["executor"] == x["executor"]
-                     and b["schedule"] == "native"), None)
+        base = _native_row(rows, x["model"], x["executor"])
         if base is None or not base["T_den_ms"]:
             continue
         nbar = base["F"] / base["K"]

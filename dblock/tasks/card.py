@@ -18,6 +18,8 @@ import platform
 import re
 from typing import Optional
 
+import torch
+
 CARD_JSON = "card.json"
 CARD_MD = "MODEL_CARD.md"
 
@@ -35,12 +37,12 @@ def read_card(folder: str) -> Optional[dict]:
 
 def task_of(model: str, default: str = "arith") -> str:
     """The task a (bundled) model was trained on, from its card; `default` when it has none."""
-    from dblock.weights import resolve_model_path
+    from dblock.weights import WeightsError, resolve_model_path
     try:
-        card = read_card(resolve_model_path(model))
-    except Exception:
+        folder = resolve_model_path(model)
+    except WeightsError:            # not a folder nor a bundled name: the command reports that when it loads
         return default
-    return (card or {}).get("task", default)
+    return (read_card(folder) or {}).get("task", default)
 
 
 def _public_command(reproduce: str, name: str) -> str:
@@ -74,8 +76,7 @@ def build_card(name: str, summary: dict, result: dict, n: int) -> dict:
                                         "F", "TPF", "passes_per_block_mean", "passes_per_block_mean_by_kind",
                                         "passes_per_block_hist", "blocks_per_answer_mean", "eos_rate")
                  if k in result},
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}, "
-                   f"torch {__import__('torch').__version__}",
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}, torch {torch.__version__}",
     }
 
 
