@@ -1,4 +1,4 @@
-"""Expert/sequence-parallel FreshLane vs dense dispatch on gloo CPU ranks, side by side in one run (issue 10).
+"""Expert/sequence-parallel FreshLane vs dense dispatch on gloo CPU ranks, side by side in one run.
 
 For each world size (default 2 and 4) and model, the same ranks decode the same prompts with FreshLane (only fresh
 rows move) and with dense dispatch (every row of the call moves), alternating the order across repeats. Reported:
@@ -144,7 +144,7 @@ def main() -> int:
         with open(args.markdown, "a") as f:
             if new_file:
                 f.write("# Benchmarks\n\nEach section: the command that produced it, the machine, the numbers.\n")
-            f.write(f"\n## Expert/sequence-parallel FreshLane vs dense dispatch (gloo, CPU) — issue 10\n\n"
+            f.write(f"\n## Expert/sequence-parallel FreshLane vs dense dispatch (gloo, CPU)\n\n"
                     f"Command: `{cmd.strip()}` ({time.time() - t0:.0f} s). Machine: `{' '.join(platform.uname())}`, "
                     f"{cores} cores (load average {os.getloadavg()[0]:.1f} at the end: other jobs share them), "
                     f"torch {torch.__version__}, one torch thread per rank, batch {args.batch}, "

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dblock.config import DecodeConfig  # noqa: E402
 from dblock.optimized.executor import epoch_forward  # noqa: E402
-from dblock.reference.generate import generate  # noqa: E402
+from dblock.decoding.generate import generate  # noqa: E402
 
 CONFIGS = ["dense", "full_compute", "no_atlas", "no_lsp", "epoch"]
 
@@ -123,7 +123,7 @@ def flops_bytes(cfg, stats_passes, dense_rows):
 
 def run_config(config, model, prompts, dec):
     if config == "dense":
-        from dblock.reference.generate import reference_forward
+        from dblock.decoding.generate import reference_forward
         fwd = reference_forward(model)
         timer = MoETimer(model)
     else:

@@ -38,7 +38,7 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# LLaDA2.0-mini (shared/reference/model-spec-llada-moe.md §2): the layer shapes are the real ones; only the depth is
+# LLaDA2.0-mini (docs/models.md): the layer shapes are the real ones; only the depth is
 # cut (--layers) so that building random weights and the executor section fit the time budget.
 MINI = dict(vocab_size=157184, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
             intermediate_size=5120, moe_intermediate_size=512, num_experts=256, num_experts_per_tok=8,

@@ -1,5 +1,5 @@
 """Online serving on CPU, side by side: reference-dense vs epoch engines, Native vs OBA, over a range of Poisson
-rates — and the SimPy serving model calibrated on one rate and checked on the others (issue 11, items 4 and 5).
+rates — and the SimPy serving model calibrated on one rate and checked on the others.
 
 For every configuration (executor × schedule) the script starts `dblock serve` as a subprocess (its own process, one
 torch thread, a JSON-lines engine trace) and sends two warm-up requests. Then, rate by rate, every configuration gets

@@ -10,8 +10,8 @@ from dblock.weights import WeightsError, load, save
 
 
 def generate(*args, **kwargs):
-    """See `dblock.reference.generate.generate`."""
-    from dblock.reference.generate import generate as _generate
+    """See `dblock.decoding.generate.generate`."""
+    from dblock.decoding.generate import generate as _generate
     return _generate(*args, **kwargs)
 
 

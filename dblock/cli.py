@@ -73,7 +73,7 @@ def add_executor_args(p):
     g.add_argument("--atlas-c", type=int, default=None, help="Expert Atlas experts added per repair round (default K)")
     g.add_argument("--use-triton", action="store_true",
                    help="run the epoch executor's Triton kernels (interpreter on a machine without a GPU)")
-    # issue 10: expert/sequence-parallel MoE on torch.distributed (dblock.optimized.ep)
+    # expert/sequence-parallel MoE on torch.distributed (dblock.optimized.ep)
     g.add_argument("--ep", type=int, default=None,
                    help="expert-parallel ranks: launch with torchrun --nproc-per-node N -m dblock ... --ep N (gloo on "
                         "cpu, NCCL on cuda; default: the launcher's world size, or 1 process without torchrun; "
@@ -102,13 +102,13 @@ def load_model(args):
     import dblock
     dtype = args.dtype or ("float32" if args.device == "cpu" else None)
     device = args.device
-    if device == "cuda" and "LOCAL_RANK" in os.environ:      # torchrun: one GPU per process (issue 10)
+    if device == "cuda" and "LOCAL_RANK" in os.environ:      # torchrun: one GPU per process
         device = f"cuda:{os.environ['LOCAL_RANK']}"
     return dblock.load(args.model, dtype=dtype, device=device)
 
 
 def under_torchrun() -> bool:
-    """Started by torchrun (issue 10): every rank runs the command, rank 0 prints and writes files."""
+    """Started by torchrun: every rank runs the command, rank 0 prints and writes files."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
@@ -118,7 +118,7 @@ def is_rank0() -> bool:
 
 def make_forward(model, args):
     """The executor chosen on the command line, over the loaded model's weights."""
-    from dblock.reference.generate import reference_forward
+    from dblock.decoding.generate import reference_forward
     ep = getattr(args, "ep", None)
     if ep is not None and (getattr(args, "executor", "reference") == "reference" or args.epoch_config == "dense"):
         raise ValueError(f"--ep {ep}: expert parallelism runs the epoch executor; add --executor epoch (and an "
@@ -127,7 +127,7 @@ def make_forward(model, args):
         return reference_forward(model)
     from dblock.optimized.executor import epoch_forward
     dispatcher = None
-    if (ep is not None or under_torchrun()) and args.epoch_config != "dense":   # issue 10
+    if (ep is not None or under_torchrun()) and args.epoch_config != "dense":
         from dblock.optimized.ep import dispatcher_from_cli
         dispatcher = dispatcher_from_cli(model, ep, args.ep_dispatch, str(model.embed.weight.device))
     return epoch_forward(model, args.epoch_config, refresh=args.refresh, atlas_alpha=args.atlas_alpha,
@@ -198,8 +198,8 @@ def _generate_args(p):
 
 
 def _generate(args) -> int:
-    from dblock.reference.generate import generate
-    from dblock.reference.schedules import schedule_spec
+    from dblock.decoding.generate import generate
+    from dblock.decoding.schedules import schedule_spec
     from dblock.trace import TraceWriter
 
     if not args.prompt and not args.prompt_ids:
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     import torch
     torch.set_num_threads(args.threads)
     prog = "dblock"
-    if under_torchrun():                 # issue 10: every rank runs the command; rank 0 alone prints results
+    if under_torchrun():                 # every rank runs the command; rank 0 alone prints results
         prog = f"dblock[rank {os.environ['RANK']}]"
         if not is_rank0():
             sys.stdout = open(os.devnull, "w")

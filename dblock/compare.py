@@ -24,8 +24,8 @@ import math
 from typing import Any, Optional, Sequence
 
 from dblock.config import DecodeConfig
-from dblock.reference.generate import generate
-from dblock.reference.schedules import Request, schedule_spec
+from dblock.decoding.generate import generate
+from dblock.decoding.schedules import Request, schedule_spec
 from dblock.trace import TraceWriter
 
 DEFAULT_SCHEDULES = ("native", "native2c", "flowblock", "dense_mask", "oba",

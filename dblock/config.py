@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from dblock.errors import ConfigError
+
 # Token ids shared by LLaDA-MoE and LLaDA2.0 (vocab 157184). Upstream they are `generate` defaults, not config keys.
 LLADA_VOCAB = 157184
 LLADA_MASK_ID = 156895
@@ -30,10 +32,6 @@ _MODEL_TYPE_TO_FAMILY = {
     "llada_moe": "llada_moe",
     "diffusion_gemma": "diffusion_gemma",
 }
-
-
-class ConfigError(ValueError):
-    """A config.json value dblock cannot run. The message names the file, the key and what is allowed."""
 
 
 @dataclass
@@ -295,17 +293,17 @@ def load_config(folder_or_file: str):
 
 @dataclass
 class DecodeConfig:
-    """How to decode: step rule, block size, budgets. Defaults follow SPEC §2 (the Epoch evaluation decoder)."""
+    """How to decode: step rule, block size, budgets. Defaults follow docs/algorithms.md §2 (the Epoch evaluation decoder)."""
 
     max_new_tokens: int = 128
     block_size: int | None = None    # None: the model's own (config.json `block_size`, 32 for LLaDA)
-    rule: str = "threshold"          # "threshold" (SPEC 2.1) | "fixed-k" (2.2) | "entropy-bound" (2.3, uniform-state)
+    rule: str = "threshold"          # "threshold" | "fixed-k" | "entropy-bound" (uniform-state); docs/algorithms.md §2
     threshold: float = 0.95          # tau of the threshold rule
     max_steps: int = 64              # threshold rule: passes per block before committing the rest by argmax
     steps: int | None = None         # fixed-k: passes per block (default 32); entropy-bound: N steps per block (48)
     no_cache: bool = False           # llada2_moe: recompute the whole prefix every pass ("dInfer without cache")
     seed: int = 0
-    # entropy-bound rule (uniform-state, SPEC 2.3; transformers' DiffusionGemma defaults)
+    # entropy-bound rule (uniform-state, docs/algorithms.md §2.3; transformers' DiffusionGemma defaults)
     entropy_bound: float = 0.1       # b: accept the longest low-entropy prefix with cumsum(H) - H_last <= b
     temperature: tuple = (0.8, 0.4)  # (t_max, t_min): T = t_min + (t_max - t_min) * n / N, n = steps remaining
     stability: int = 1               # stop when the argmax canvas equals the previous `stability` ones ...

@@ -64,7 +64,7 @@ def run_demo(n=None, as_json=False) -> int:
     import dblock
     from dblock.config import DecodeConfig
     from dblock.optimized.executor import epoch_forward
-    from dblock.reference.generate import reference_forward
+    from dblock.decoding.generate import reference_forward
     from dblock.tasks import get_task
     from dblock.tasks.evaluate import TokenizerAdapter, evaluate
 

@@ -19,13 +19,10 @@ from typing import Callable, Optional
 
 import torch
 
+from dblock.errors import WeightsError
 from dblock.config import ConfigError, ModelConfig, family_of, load_config, read_json
 
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
-
-
-class WeightsError(ValueError):
-    """A model folder dblock cannot load; the message names the file and key."""
 
 
 @dataclass

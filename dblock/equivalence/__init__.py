@@ -1,6 +1,6 @@
-"""The equivalence suite (SPEC §5): differential testing of the optimized executor against the reference.
+"""The equivalence suite (docs/algorithms.md §5): differential testing of the optimized executor against the reference.
 
-  margins.py     decision margins Γ (SPEC) and Γ* (exact, tight) for the threshold and fixed-k rules; the
+  margins.py     decision margins Γ (sufficient) and Γ* (exact, tight) for the threshold and fixed-k rules; the
                  entropy-bound rule's decision check under shared randomness
   shadow.py      `ShadowForward`: teacher-forced comparison at every pass on identical inputs
   invariants.py  staleness, coverage, support-only routing, block-boundary clearing, newly-decoded-never-served,

@@ -144,7 +144,7 @@ def _verify(args) -> int:
     if getattr(args, "ep", None) is not None:
         from dblock.optimized.ep import dispatcher_from_cli
         epoch_kw["dispatcher"] = dispatcher_from_cli(model, args.ep, args.ep_dispatch, args.device)
-    from dblock.reference.schedules import schedule_spec
+    from dblock.decoding.schedules import schedule_spec
     spec = schedule_spec(args.schedule, args.window, args.gate)
     quiet = args.json
     rep = run_verify(model, prompts, dec, spec, executor=args.executor, config=args.epoch_config, epoch_kw=epoch_kw,

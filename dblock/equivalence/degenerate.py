@@ -1,4 +1,4 @@
-"""Degenerate settings that must be exact (SPEC §5), as checks `dblock verify --check NAME` runs.
+"""Degenerate settings that must be exact (docs/algorithms.md §5), as checks `dblock verify --check NAME` runs.
 
   full-compute   the `full_compute` configuration (support = all experts, M_C = 1) gives the reference's tokens
                  exactly (fp32), and on the teacher-forced shadow every decision agrees
@@ -40,7 +40,7 @@ WORLD_TOL = 1e-4      # fp32 logits, different summation order of expert partial
 def check_full_compute(model, prompts, dec, schedule="native", batch_size=None) -> dict:
     from dblock.equivalence.shadow import ShadowForward, shadow_generate
     from dblock.optimized.executor import epoch_forward
-    from dblock.reference.generate import generate, reference_forward
+    from dblock.decoding.generate import generate, reference_forward
 
     if model.config.family == "diffusion_gemma":
         return {"ok": None, "message": "the epoch executor runs the LLaDA families only"}
@@ -125,7 +125,7 @@ class PairedBlockCheck(Forward):
 
 
 def check_paired_block(model, prompts, dec, batch_size=None) -> dict:
-    from dblock.reference.generate import generate, reference_forward
+    from dblock.decoding.generate import generate, reference_forward
 
     fam = model.config.family
     if fam == "llada_moe":
@@ -207,7 +207,7 @@ def world_size_worker(rank: int, world: int, cfg: dict) -> dict:
     from dblock.config import DecodeConfig
     from dblock.optimized.ep import EPDispatcher
     from dblock.optimized.executor import epoch_forward
-    from dblock.reference.generate import generate
+    from dblock.decoding.generate import generate
 
     model = dblock.load(cfg["model"], dtype=cfg.get("dtype", "float32"))
     disp = None if cfg.get("local") else EPDispatcher(model.config.num_experts, timeout_s=cfg.get("timeout_s", 60.0))

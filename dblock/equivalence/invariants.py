@@ -1,4 +1,4 @@
-"""Invariants of the optimized executor (SPEC §4.3, §5), checked on its audit records.
+"""Invariants of the optimized executor (docs/algorithms.md §4.3, §5), checked on its audit records.
 
 The Epoch executor, built with `audit=True`, appends one record per (pass, block, layer) to `executor.audit`
 (served rows and their ages, newly decoded and decoded rows, the support and whether its build succeeded, the count

@@ -1,20 +1,20 @@
-"""Decision margins (SPEC §5): how far may optimized logits ẑ move from the dense logits z before a decode decision
+"""Decision margins (docs/algorithms.md §5): how far may optimized logits ẑ move from the dense logits z before a decode decision
 can change?
 
 Everything is computed on the *masked* logits the step rules use: the MASK id is excluded from the argmax and from
-the softmax (`dblock.reference.samplers.predict`), so ‖ẑ − z‖∞ is taken over real tokens only. Margins are fp64.
+the softmax (`dblock.decoding.samplers.predict`), so ‖ẑ − z‖∞ is taken over real tokens only. Margins are fp64.
 
-Threshold rule (SPEC §2.1), per live row i with p = softmax(z_i) over real tokens, x̂ = argmax, p₁ = p[x̂]:
+Threshold rule (docs/algorithms.md §2.1), per live row i with p = softmax(z_i) over real tokens, x̂ = argmax, p₁ = p[x̂]:
 
   top gap        a   = (z₁ − z₂) / 2              an ∞-norm perturbation ε moves z₁ − z₂ by at most 2ε
-  SPEC slack     s   = |log p₁ − log τ| / 2        log p₁ = z₁ − logsumexp(z) moves by at most 2ε
+  slack          s   = |log p₁ − log τ| / 2        log p₁ = z₁ − logsumexp(z) moves by at most 2ε
   exact slack    s*  = |logit p₁ − logit τ| / 2    logit p₁ = z₁ − logsumexp(z_{j≠1}) moves by at most 2ε, and
                                                   exactly 2ε for δ = (−ε on x̂, +ε elsewhere): the tight bound
   fallback       c   = (log p⁽¹⁾ − log p⁽²⁾) / 4   when no row clears τ the most confident row commits; two rows'
                                                   log-confidences move by up to 2ε *each*, so their gap by 4ε
   exact fallback c*  = (logit p⁽¹⁾ − logit p⁽²⁾) / 4   (p⁽¹⁾ ≥ p⁽²⁾ the two largest confidences of the block)
 
-  Γ  = min(a, s)          (and min(·, c) on every row of a pass the fallback decides)      -- SPEC §5's margin
+  Γ  = min(a, s)          (and min(·, c) on every row of a pass the fallback decides)      -- docs/algorithms.md §5's margin
   Γ* = the exact decision radius, split over rows case by case (`threshold_margin`): an uncommitted row's token
        is not a decision (it stays MASK), the fallback can rescue a row that drops below τ, and the fallback's
        winner rising above τ changes nothing; a commit-all pass only has the a terms.
@@ -23,14 +23,14 @@ min Γ ≤ min Γ* over every block (s ≤ s*: 1 − p₁ ≤ 1 − τ when p₁
 *sufficient*: ‖ẑᵢ − zᵢ‖∞ < Γᵢ for every live row of a block ⇒ same tokens and same commit set (the hypothesis is
 block-wide: the cross-position terms couple rows). Γ* is also *tight*: min over the block of Γ* is the smallest
 ∞-norm perturbation that can change the decision, so one just above it can (the constructions are in
-`tests/equivalence/test_margins.py`). SPEC §5 writes the fallback term as *half* the log-confidence gap; that is not
+`tests/equivalence/test_margins.py`). docs/algorithms.md §5 writes the fallback term as *half* the log-confidence gap; that is not
 sufficient (two rows move toward each other by up to 4ε; the tests hold a counterexample), so this module uses a
 quarter, and the exact version in logit space.
 
-Fixed-k rule (SPEC §2.2): the k most confident rows commit; margin = min(a on committed rows, (logit p⁽ᵏ⁾ − logit
+Fixed-k rule (docs/algorithms.md §2.2): the k most confident rows commit; margin = min(a on committed rows, (logit p⁽ᵏ⁾ − logit
 p⁽ᵏ⁺¹⁾)/4) — the same argument as the fallback (k = 1 is the fallback).
 
-Entropy-bound rule (SPEC §2.3) has no closed-form margin (the proposal is a multinomial draw); its analogue is a
+Entropy-bound rule (docs/algorithms.md §2.3) has no closed-form margin (the proposal is a multinomial draw); its analogue is a
 decision check under shared randomness: `entropy_bound_check` steps copies of the block with both logits and the
 same generator state and compares the accepted set, the accepted tokens and the argmax canvas.
 
@@ -75,7 +75,7 @@ def delta_inf(z_opt: torch.Tensor, z_ref: torch.Tensor, mask_id: Optional[int]) 
 class Margin:
     """Per live row of one block and one pass (all (n,) fp64 unless noted)."""
 
-    gamma: torch.Tensor          # Γ: SPEC §5 sufficient margin
+    gamma: torch.Tensor          # Γ: docs/algorithms.md §5 sufficient margin
     gamma_exact: torch.Tensor    # Γ*: exact (tight) decision radius
     top_gap: torch.Tensor        # a
     slack: torch.Tensor          # s (log space) — +inf where irrelevant (commit-all / fixed-k)
@@ -174,7 +174,7 @@ def fixed_k_margin(logits: torch.Tensor, mask_id: Optional[int], k: int) -> Marg
     if 0 < k < n:
         cross = float(logp[order[k - 1]] - logp[order[k]]) / 4
         cross_exact = float(logit[order[k - 1]] - logit[order[k]]) / 4
-    gamma = a.clamp(max=cross)                                   # SPEC form: a on every row, like min(a, s)
+    gamma = a.clamp(max=cross)                                   # sufficient form: a on every row, like min(a, s)
     gamma_exact = torch.where(commit, a, inf).clamp(max=cross_exact)
     return Margin(gamma, gamma_exact, a, inf, inf.clone(), commit, tok, False, cross, cross_exact)
 
@@ -184,7 +184,7 @@ def fixed_k_margin(logits: torch.Tensor, mask_id: Optional[int], k: int) -> Marg
 # ---------------------------------------------------------------------------------------------------------------
 
 def threshold_decision64(logits: torch.Tensor, mask_id: Optional[int], tau: float = 0.95, commit_all: bool = False):
-    """SPEC §2.1 in fp64 (same tie-breaks as `samplers.threshold_rule`): -> (tokens, commit)."""
+    """docs/algorithms.md §2.1 in fp64 (same tie-breaks as `samplers.threshold_rule`): -> (tokens, commit)."""
     z = masked64(logits, mask_id)
     n = z.shape[0]
     logp = z.max(dim=-1).values - torch.logsumexp(z, dim=-1)

@@ -7,7 +7,7 @@ Fields of a shadow section (`shadow_section`; the main run and the liveness prob
   layers                         per MoE layer, max |Δ| of the routed-expert output (optimized after the cache
                                  merge vs the reference), over all rows, rows served from the cache, fresh rows,
                                  live rows
-  margin                         rows that carry a decision; share with ‖ẑ − z‖∞ < Γ (SPEC) and < Γ* (exact);
+  margin                         rows that carry a decision; share with ‖ẑ − z‖∞ < Γ (sufficient) and < Γ* (exact);
                                  the count of margin violations (‖ẑ − z‖∞ ≥ Γ); per block pass and per path
                                  (cold / hot / refresh / fallback); passes the fallback decided
   decisions                      agreement rate of the decisions (commit set + committed tokens, the block's own

@@ -1,4 +1,4 @@
-"""Shadow (teacher-forced) comparison of an optimized executor against the dense reference (SPEC §5).
+"""Shadow (teacher-forced) comparison of an optimized executor against the dense reference (docs/algorithms.md §5).
 
 Diverged trajectories prove nothing, so `ShadowForward` is a Forward that, at every call, runs the optimized
 executor and then the reference on *exactly the same* StepInputs — same tokens, positions, masks, self-conditioning
@@ -8,7 +8,7 @@ Each side keeps its own KV cache of the same committed prefix (`append` goes to 
 sides), held together in a `ShadowCache`.
 
 Per denoising call and per segment with live rows it records:
-  * ‖ẑ − z‖∞ per live row (MASK column excluded), the margins Γ (SPEC) and Γ* (exact) from the reference logits
+  * ‖ẑ − z‖∞ per live row (MASK column excluded), the margins Γ (sufficient) and Γ* (exact) from the reference logits
     under the rule and the block's actual state (commit-all pass, fixed-k's k, the fallback);
   * decisions: both logits are fed to the block's own step rule on *copies* of its sampler state (the real rule
     code), and the resulting commit sets and tokens compared (entropy-bound: `margins.entropy_bound_check` under
@@ -401,8 +401,8 @@ def shadow_generate(shadow: ShadowForward, prompts, dec, schedule="native", batc
                     seeds=None) -> ShadowRun:
     """Decode `prompts` with the schedule driving `shadow` (so the trajectory is the optimized executor's) and give
     the shadow the per-block sampler context it needs to replay decisions."""
-    from dblock.reference.generate import as_requests
-    from dblock.reference.schedules import RequestRun, drive, schedule_spec
+    from dblock.decoding.generate import as_requests
+    from dblock.decoding.schedules import RequestRun, drive, schedule_spec
 
     dec = dec.validate()
     spec = schedule if not isinstance(schedule, str) else schedule_spec(schedule)

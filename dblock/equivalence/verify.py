@@ -29,7 +29,7 @@ from dblock.equivalence.shadow import ShadowForward, shadow_generate
 
 def make_optimized(model, executor: str, config: str, epoch_kw: dict, faults: Sequence[str]):
     from dblock.optimized.executor import epoch_forward
-    from dblock.reference.generate import reference_forward
+    from dblock.decoding.generate import reference_forward
     if executor == "reference" or config == "dense":
         if faults:
             raise ValueError("--inject-fault needs --executor epoch with an epoch configuration (not dense)")
@@ -66,8 +66,8 @@ def run_verify(model, prompts: list, dec: DecodeConfig, schedule: str = "native"
                world_sizes=(1, 2, 4), max_disagreement: Optional[float] = None, batch_size: Optional[int] = None,
                model_name: str = "", progress=None) -> dict:
     """Everything `dblock verify` reports, as a dict with `exit` = {"status", "reasons"} (see report.py)."""
-    from dblock.reference.generate import generate, reference_forward
-    from dblock.reference.schedules import schedule_spec
+    from dblock.decoding.generate import generate, reference_forward
+    from dblock.decoding.schedules import schedule_spec
 
     t0 = time.perf_counter()
     epoch_kw = {k: v for k, v in (epoch_kw or {}).items() if v is not None}

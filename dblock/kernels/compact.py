@@ -1,4 +1,4 @@
-"""Compact / scatter of fresh rows and the merge of cached stable rows (SPEC §4.3-4.4: `B = Compact(H, F_i)`,
+"""Compact / scatter of fresh rows and the merge of cached stable rows (docs/algorithms.md §4.3-4.4: `B = Compact(H, F_i)`,
 `Y[F_i] = Y_F`, `Y[¬F_i] = C_l[¬F_i]`).
 
 Letter legend: T rows of the full shard, F fresh rows, C rows of the decoded-output cache, H hidden.

@@ -1,4 +1,4 @@
-"""Grouped SwiGLU expert MLP over a routed worklist (FreshLane's expert stage, SPEC §4.4).
+"""Grouped SwiGLU expert MLP over a routed worklist (FreshLane's expert stage, docs/algorithms.md §4.4).
 
 Letter legend: F rows, H hidden, E experts, I expert width, K slots per row, P = F*K flat pairs
 (pair p = f*K + k), BM = BLOCK_M rows of one M-block, MB M-blocks (see align.py for the layout).

@@ -1,4 +1,4 @@
-"""LM head of the live rows only (SPEC §4.3: decoded rows feed no decision, so their logits are never computed).
+"""LM head of the live rows only (docs/algorithms.md §4.3: decoded rows feed no decision, so their logits are never computed).
 
 Letter legend: L rows of a segment, R live rows, H hidden, V vocab.
 

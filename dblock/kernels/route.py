@@ -1,4 +1,4 @@
-"""Support-restricted routing of a compact batch of fresh rows (SPEC §4.2, the model's own rule restricted to S_l).
+"""Support-restricted routing of a compact batch of fresh rows (docs/algorithms.md §4.2, the model's own rule restricted to S_l).
 
 Letter legend: F fresh rows, E experts, K experts per row, G expert groups, GS = E / G experts per group.
 

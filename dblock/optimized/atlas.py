@@ -1,4 +1,4 @@
-"""Expert Atlas (SPEC §4.2): a per-(block, layer) expert support S_l built from routing mass, and the model's own
+"""Expert Atlas (docs/algorithms.md §4.2): a per-(block, layer) expert support S_l built from routing mass, and the model's own
 routing rule restricted to it.
 
 Only the *set* of eligible experts is cached on the block clock; ids, order and weights of every fresh token's
@@ -29,7 +29,7 @@ NEG = float("-inf")
 
 @dataclass
 class AtlasParams:
-    """Support construction knobs (SPEC §4.2 suggested defaults)."""
+    """Support construction knobs (docs/algorithms.md §4.2 suggested defaults)."""
 
     m: int | None = None        # extra candidates per token beyond K (default K)
     alpha: float = 0.9          # coverage floor: a token is covered when C_t >= alpha * R_t
@@ -40,7 +40,7 @@ class AtlasParams:
     update_every: int = 4       # hot-update: rebuild S_l from the current pass's scores every this many passes
 
     def resolved(self, E: int, K: int) -> "AtlasParams":
-        # SPEC's suggestion min(E, 4K). With few experts (the bundled tiny-masked: E = 16, K = 4) this is every
+        # suggested min(E, 4K) (docs/algorithms.md §4.2). With few experts (the bundled tiny-masked: E = 16, K = 4) this is every
         # expert and the support is inert; a smaller B (--atlas-B) starts from a real subset, and the repair rounds
         # add what coverage needs -- BENCHMARKS.md measures what that costs in decision agreement.
         B = min(E, 4 * K) if self.B is None else min(E, self.B)
@@ -107,7 +107,7 @@ class SupportResult:
 
 
 def build_support(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, E: int, p: AtlasParams) -> SupportResult:
-    """SPEC §4.2 greedy construction over one block's candidate graph (W, I: (N, J); R: (N,))."""
+    """docs/algorithms.md §4.2 greedy construction over one block's candidate graph (W, I: (N, J); R: (N,))."""
     N = W.shape[0]
     W, I, R = W.double().cpu(), I.cpu(), R.double().cpu()     # the planner runs on the host (block clock)
     target = p.alpha * R                                             # r_t

@@ -1,4 +1,4 @@
-"""Expert- and sequence-parallel FreshLane on torch.distributed (SPEC §4.4, issue 10).
+"""Expert- and sequence-parallel FreshLane on torch.distributed (docs/algorithms.md §4.4).
 
 Experts are sharded over the EP ranks, the rows of the batch are owned by sequence-parallel ranks, and per pass and
 MoE layer the rows move with `all_to_all_single` and split sizes: a count exchange, then dispatch, then combine,
@@ -91,6 +91,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dblock.errors import DistributedError
 from dblock.optimized.freshlane import CommStats
 
 MODES = ("freshlane", "dense")
@@ -98,7 +99,7 @@ COUNT_FIELDS = 4          # per peer: rows, T, N, call number (the last three ca
 DEFAULT_TIMEOUT_S = float(os.environ.get("DBLOCK_EP_TIMEOUT", "300"))
 
 
-class EPTimeoutError(RuntimeError):
+class EPTimeoutError(DistributedError):
     """A collective failed or timed out; `ranks` are the ranks blamed (died or stalled)."""
 
     def __init__(self, msg: str, ranks=()):
@@ -106,7 +107,7 @@ class EPTimeoutError(RuntimeError):
         self.ranks = tuple(ranks)
 
 
-class EPError(RuntimeError):
+class EPError(DistributedError):
     """The ranks disagree (the replicated parts diverged, or a rank sent rows it does not own)."""
 
 
@@ -585,7 +586,7 @@ def dispatcher_from_cli(model, ep: int | None, mode: str = "freshlane", device: 
     return EPDispatcher(model.config.num_experts, mode=mode, timeout_s=timeout_s)
 
 
-class DistributedRunError(RuntimeError):
+class DistributedRunError(DistributedError):
     """Some ranks failed or did not finish; `per_rank` maps rank -> one-line reason."""
 
     def __init__(self, per_rank: dict, elapsed: float):
@@ -695,7 +696,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> dict:
     """
     from dblock.config import DecodeConfig
     from dblock.optimized.executor import epoch_forward
-    from dblock.reference.generate import generate
+    from dblock.decoding.generate import generate
     from dblock.trace import TraceWriter
 
     device = cfg.get("device", "cpu")

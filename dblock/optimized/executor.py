@@ -1,4 +1,4 @@
-"""The Epoch executor (SPEC §4): a batched Forward over the reference model's own weight tensors (no copy).
+"""The Epoch executor (docs/algorithms.md §4): a batched Forward over the reference model's own weight tensors (no copy).
 
 Contract: cache stable block structure; recompute every value that feeds a live decode decision.
 
@@ -11,7 +11,7 @@ Per denoising call, for every in-flight block of every request (a *block plan* e
   * the LM head only for live rows (the Forward protocol returns nothing else).
 Prefill and append passes write exact K/V for committed tokens, so they run the dense path.
 
-Configurations (SPEC §4.5): epoch (all on), full_compute (all experts, M_C = 1: exact), no_atlas, no_lsp, and
+Configurations (docs/algorithms.md §4.5): epoch (all on), full_compute (all experts, M_C = 1: exact), no_atlas, no_lsp, and
 dense (the reference executor itself). Faults fail closed: any cache doubt makes the layer fully fresh, an atlas
 failure makes the layer use all experts, both counted.
 
@@ -285,7 +285,7 @@ class EpochExecutor(Forward):
         ids, w = self.stages.route(logits_T[idx_F], bias, self.config, allowed)
         # 5) FreshLane: experts over the short worklist
         extra = {}
-        if getattr(self.dispatcher, "wants_all_rows", False):     # ep.EPDispatcher (issue 10)
+        if getattr(self.dispatcher, "wants_all_rows", False):     # ep.EPDispatcher
             extra = self._route_all_rows(li, moe, xn_T, logits_T, need, idx_F, ids, w, R)
         y_F, comm = self.dispatcher.run(
             x_F, ids, w, lambda x, i, wt: self.stages.experts(x, i, wt, moe.w_gate, moe.w_up, moe.w_down), **extra)
@@ -439,7 +439,7 @@ def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, 
     if config == "dense":
         if use_triton:
             raise ValueError("--use-triton applies to the epoch configurations, not dense")
-        from dblock.reference.generate import reference_forward
+        from dblock.decoding.generate import reference_forward
         return reference_forward(model)
     cfg = EpochConfig.named(config, refresh=refresh, alpha=atlas_alpha, q=atlas_q, update_every=update_every,
                             m=atlas_m, B=atlas_B, beta=atlas_beta, c=atlas_c)

@@ -1,4 +1,4 @@
-"""FreshLane (SPEC §4.4): only fresh (token, expert) pairs move through the MoE region.
+"""FreshLane (docs/algorithms.md §4.4): only fresh (token, expert) pairs move through the MoE region.
 
 compact -> route -> dispatch -> grouped expert MLP -> combine -> scatter/merge. The compact layout never leaves
 this region: the caller hands in the fresh rows' normed hidden states (F, H) and gets their routed-expert outputs

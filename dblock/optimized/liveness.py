@@ -1,4 +1,4 @@
-"""Liveness-Shard Parallelism (SPEC §4.3): fresh sets and the per-layer decoded-output cache.
+"""Liveness-Shard Parallelism (docs/algorithms.md §4.3): fresh sets and the per-layer decoded-output cache.
 
 The cache holds the **routed-expert output only** (not the shared expert, not the layer output, not hidden states)
 of decoded rows, keyed by (block plan, layer, row) and stamped with the plan's version, the pass it was written at
@@ -108,7 +108,7 @@ class Liveness:
     history: list = field(default_factory=list)
 
     def plan_pass(self, decoded: torch.Tensor, pass_index: int, refresh: int, lsp: bool) -> str:
-        """Decide F_i from D_i (SPEC §4.3). Returns the block-level path: cold | refresh | hot | fallback."""
+        """Decide F_i from D_i (docs/algorithms.md §4.3). Returns the block-level path: cold | refresh | hot | fallback."""
         if self.prev_decoded is None:
             path, all_fresh = "cold", True
         elif decoded.shape != self.prev_decoded.shape:

@@ -1,4 +1,4 @@
-"""The block plan (SPEC §4.1): the block clock's state of one in-flight block of one request.
+"""The block plan (docs/algorithms.md §4.1): the block clock's state of one in-flight block of one request.
 
 Built on the block's first pass (cold path), destroyed when the block commits, never reused. It holds identifiers,
 maps and the decoded-output caches of LSP — never live hidden states, router logits or logits.
@@ -23,7 +23,7 @@ CONFIGS = ("epoch", "full_compute", "no_atlas", "no_lsp", "dense")
 
 @dataclass
 class EpochConfig:
-    """Which relaxations are on (SPEC §4.5) and their knobs."""
+    """Which relaxations are on (docs/algorithms.md §4.5) and their knobs."""
 
     name: str = "epoch"
     atlas: bool = True               # restrict routing to a per-block expert support

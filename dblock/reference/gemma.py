@@ -1,7 +1,7 @@
 """DiffusionGemma (`diffusion_gemma`): the text model, its reference executor and its weight I/O, in one file.
 
 Readable dense reference, math identical to transformers 5.23 `models/diffusion_gemma/modeling_diffusion_gemma.py`
-(see shared/reference/model-spec-llada-moe.md §4). One set of layer weights serves two stacks:
+(see docs/models.md). One set of layer weights serves two stacks:
 
   encoder  causal Gemma-4 stack. Runs over the prompt (prefill), then over each committed canvas (one append pass
            per block), and *writes* each layer's K/V into the request's cache. Its hidden states are never used.

@@ -1,7 +1,7 @@
 """The LLaDA2.0 (`llada2_moe`) and LLaDA-MoE (`llada_moe`) transformers, all of it in this one file.
 
 Readable dense reference: no Triton, no torch.distributed, no caching tricks beyond the exact prefix KV cache.
-Math follows the HF remote code of both families (see shared/reference/model-spec-llada-moe.md):
+Math follows the HF remote code of both families (see docs/models.md):
 
   h = x + Attn(RMSNorm(x));  x = h + FFN(RMSNorm(h))       pre-norm block, final RMSNorm, separate lm_head
   Attn: fused QKV (llada2) or q/k/v (llada_moe) -> per-head RMSNorm of q and k -> partial NeoX RoPE -> GQA softmax

@@ -1,5 +1,5 @@
 """Serving: a continuous-batching engine at pass granularity, an OpenAI-compatible streaming server, a Poisson load
-generator (issue 11).
+generator.
 
     engine.py    `Engine`: request queue, admission (batch cap, KV token budget, queue bound), one pass at a time over
                  every running request (`schedules.step_once`), joins and leaves at pass boundaries, per-block commit

@@ -96,7 +96,7 @@ def check_bind(host: str, api_key, allow_unauthenticated: bool) -> None:
 def build_server(args):
     """(app, engine, trace writer, api key) from parsed `serve` arguments; nothing is bound yet."""
     from dblock.cli import decode_config, load_model, load_tokenizer, make_forward
-    from dblock.reference.schedules import schedule_spec
+    from dblock.decoding.schedules import schedule_spec
     from dblock.serving.engine import Engine, EngineConfig
     from dblock.serving.protocol import Limits
     from dblock.serving.server import create_app

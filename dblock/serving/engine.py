@@ -2,7 +2,7 @@
 
 One engine owns one executor (`Forward`) and runs one *iteration* at a time (`step`): a batched append call for
 every running request that needs one (prompt prefill or a committed block's append pass) and one batched denoising
-pass over every running request — `dblock.reference.schedules.step_once`, the same function `generate` drives.
+pass over every running request — `dblock.decoding.schedules.step_once`, the same function `generate` drives.
 Between iterations (pass boundaries) the engine
 
 * drops cancelled requests (a client went away) and tells the executor (`forward.end_request`),
@@ -48,7 +48,7 @@ import torch
 
 from dblock.config import DecodeConfig
 from dblock.forward import Forward
-from dblock.reference.schedules import Request, RequestRun, RunTimes, ScheduleSpec, schedule_spec, step_once
+from dblock.decoding.schedules import Request, RequestRun, RunTimes, ScheduleSpec, schedule_spec, step_once
 from dblock.trace import NULL_TRACE, TraceWriter
 
 log = logging.getLogger("dblock.serving")
@@ -517,6 +517,6 @@ class Engine:
 def offline_tokens(forward: Forward, prompt: Sequence[int], max_new_tokens: int, seed: int,
                    spec: ScheduleSpec | str, dec: DecodeConfig) -> list:
     """What offline `generate` gives for one request alone (the engine's reference answer)."""
-    from dblock.reference.generate import generate
+    from dblock.decoding.generate import generate
     res = generate(forward, [list(prompt)], dec.replace(max_new_tokens=max_new_tokens), spec, seeds=[seed])
     return res.tokens[0]

@@ -84,7 +84,7 @@ class Metrics:
                s["passes_per_s"])
         metric("dblock_request_passes_per_second", "gauge", "request-passes per second (last 10 s; a pass over B "
                "requests counts B)", s["request_passes_per_s"])
-        metric("dblock_tpf", "gauge", "tokens per forward of finished requests, sum Y / sum Q (SPEC 0)", s["tpf"])
+        metric("dblock_tpf", "gauge", "tokens per forward of finished requests, sum Y / sum Q (docs/counters.md)", s["tpf"])
         metric("dblock_fresh_row_fraction", "gauge", "MoE rows computed fresh / all MoE rows (cumulative)",
                s["fresh_row_fraction"])
         metric("dblock_cache_hit_ratio", "gauge", "MoE rows served from the decoded-output cache, cached / (cached "

@@ -11,7 +11,7 @@ Accepted body (JSON object; unknown keys are ignored, as OpenAI-compatible serve
   model         optional; when given it must name the served model (else 404)
   n, best_of    only 1;  echo only false;  logprobs only null/0;  suffix only null;  stop only null or []
   temperature, top_p, presence_penalty, frequency_penalty, user: accepted and ignored (decoding follows the
-                server's step rule, e.g. the greedy threshold rule of SPEC §2.1)
+                server's step rule, e.g. the greedy threshold rule of docs/algorithms.md §2.1)
 
 Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}} with status 400 (invalid), 401
 (authentication), 404 (unknown model or path), 413 (body too large), 429 (busy), 503 (shutting down).

@@ -1,5 +1,4 @@
-"""Calibrate the simulator from executor traces (JSON lines, `dblock.trace` schema) and check its predictions
-(issue item 7).
+"""Calibrate the simulator from executor traces (JSON lines, `dblock.trace` schema) and check its predictions.
 
 From a set of traces (each one run: one schedule, one executor, one batch setting):
 

@@ -1,4 +1,4 @@
-"""Roofline cost of one denoising pass, and the memory it needs (issue item 5).
+"""Roofline cost of one denoising pass, and the memory it needs.
 
 A pass runs `batch` requests, each with `rows_per_request` in-flight positions (C for Native(C), 2C for OBA /
 Dense Mask / Native(2C)) over a committed prefix of `cache_len` keys, on one model replica sharded TP/EP/SP ways.
@@ -36,7 +36,7 @@ Shapes (per layer; N = rows in the pass, H hidden, D head dim, nH/nKV heads, E e
     TP collectives          one all-reduce-equivalent (reduce-scatter + all-gather under SP) per sub-block of
                             N·H·bytes: latency + 2(tp − 1)/tp · bytes / busbw
 
-Epoch (SPEC §4) changes only: N_moe = fresh rows; experts eligible = the atlas support; rows_lm = live rows; plus a
+Epoch (docs/algorithms.md §4) changes only: N_moe = fresh rows; experts eligible = the atlas support; rows_lm = live rows; plus a
 count-exchange all-to-all per MoE layer (latency floor) and the decoded-output cache merge (stream bytes).
 
 Memory per rank: weights, KV cache (batch · max_context keys), and the peak activations of a pass, including the
@@ -55,7 +55,7 @@ PATHS = ("dense", "epoch")
 
 
 def llada2_mini() -> ModelConfig:
-    """LLaDA2.0-mini (16B-A1.4B) from the values in shared/reference/model-spec-llada-moe.md §2 (HF config.json)."""
+    """LLaDA2.0-mini (16B-A1.4B) from the values in docs/models.md (HF config.json)."""
     return llada_config_from_dict(dict(
         model_type="llada2_moe", vocab_size=157184, hidden_size=2048, num_hidden_layers=20, num_attention_heads=16,
         num_key_value_heads=4, head_dim=128, intermediate_size=5120, moe_intermediate_size=512, num_experts=256,

@@ -2,7 +2,7 @@
 experts under Epoch's LSP (fresh), for the cost and serving models.
 
 From a block's per-position accept passes (`accept[i]` = 1-based pass, as current block, at which position i was
-first accepted/decoded; 0 = already accepted at promotion; −1 = never before commit), for pass j = 1..n (SPEC §4.3):
+first accepted/decoded; 0 = already accepted at promotion; −1 = never before commit), for pass j = 1..n (docs/algorithms.md §4.3):
 
     D_j = {i : 0 <= accept[i] < j}          decoded set seen by pass j
     live_j  = C − |D_j|                     rows whose logits feed a decision (the LM-head rows under Epoch)

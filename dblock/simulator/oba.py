@@ -1,7 +1,7 @@
 """Closed forms of One Block Ahead (OBA): the pass recurrence, its fixed point, break-even and the alpha fit.
 
 Everything here is a plain function of numbers (no SimPy, no traces). Equation numbers are those of the One Block
-Ahead paper (``shared/papers/001``); its display equations were lost in extraction and SPEC §6 reconstructs them.
+Ahead paper ; docs/algorithms.md §6 writes its equations out.
 
 Symbols (per benchmark or population of requests):
 

@@ -1,4 +1,4 @@
-"""Position-level model of a block's denoising: predict α of a schedule from Native runs only (issue item 3).
+"""Position-level model of a block's denoising: predict α of a schedule from Native runs only.
 
 A Native block of n passes is described per position i by its *first-accept pass* a_i ∈ {1..n} (−1: never accepted
 before commit) and whether that first-accepted token is the committed one (``kept``), exactly the optional

@@ -1,4 +1,4 @@
-"""SimPy serving model: continuous batching at pass granularity, timed by the roofline pass cost (issue item 6).
+"""SimPy serving model: continuous batching at pass granularity, timed by the roofline pass cost.
 
 Requests arrive (Poisson at `rate`, or at given times from a trace), wait in a FIFO queue, and are admitted while
 fewer than `batch_cap` are running. One engine process loops over iterations: every running request advances one
@@ -38,7 +38,7 @@ class ServeConfig:
     hw: Hardware
     par: cost.Parallel = field(default_factory=cost.Parallel)
     cal: cost.Calibration = field(default_factory=cost.Calibration)
-    path: str = "dense"                    # dense | epoch (SPEC §4)
+    path: str = "dense"                    # dense | epoch (docs/algorithms.md §4)
     schedule: str = "native"               # native | oba
     profile: Profile | None = None         # Native blocks (passes, accept passes); None: ParametricProfile(C)
     delta: float = 0.5                     # OBA warm-up saving per step (positions.PositionModel)

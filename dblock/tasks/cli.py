@@ -127,7 +127,7 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from dblock.reference.schedules import schedule_spec
+    from dblock.decoding.schedules import schedule_spec
     from dblock.tasks.evaluate import evaluate, format_report
 
     task = make_task_from_args(args)

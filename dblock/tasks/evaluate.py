@@ -2,7 +2,7 @@
 
 Prompts are the task's test-split prompt texts encoded by the model folder's `tokenizer.json` through the
 `tokenizers` library (the same path as a real checkpoint); answers are cut at the first EOS and graded exactly.
-Counters follow SPEC section 0 (from `GenerateResult.summary()`), plus the per-block statistics a schedule study
+Counters follow docs/counters.md (from `GenerateResult.summary()`), plus the per-block statistics a schedule study
 needs: the passes-per-block histogram, blocks per answer, tokens per block.
 """
 from __future__ import annotations
@@ -68,10 +68,10 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
     `seeds`: one decoding run per seed (uniform-state sampling draws noise; masked threshold decoding is greedy and
     gives the same tokens for every seed); accuracy and counters are reported per seed and pooled.
     `examples`: how many (prompt, output, correct) triples to include for inspection.
-    Returns a JSON-ready dict: accuracy, per-kind accuracy, SPEC counters (Y K F Q TPF TPS wall_TPS T_den_ms
+    Returns a JSON-ready dict: accuracy, per-kind accuracy, counters of docs/counters.md (Y K F Q TPF TPS wall_TPS T_den_ms
     wall_s), passes-per-block histogram and mean, blocks and tokens per answer, EOS rate.
     """
-    from dblock.reference.generate import generate
+    from dblock.decoding.generate import generate
     from dblock.tasks import answer_text
 
     if n <= 0:

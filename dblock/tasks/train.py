@@ -11,11 +11,11 @@ llada2_moe (masked block diffusion, LLaDA2 SFT + BD3-LM training):
            are never masked (they are fixed rows of the first block at inference too).
   loss     per example sum over masked positions of CE / p, divided by the example's answer-region length
            (answer + <eos> + padding), averaged over the batch -- LLaDA's SFT normalisation
-           (shared/reference/model-spec-llada-moe.md section 3).
+           (docs/models.md).
   mask     BD3-LM: one forward over [x_t ; x_0] (2L rows, positions [0..L-1, 0..L-1]) with `bd3_mask`: a noisy
            block b sees itself and the clean blocks < b, a clean block b sees the clean blocks <= b. The block
            grid is on ABSOLUTE positions and the prompt shares the first block, exactly the llada2 grid layout
-           of `dblock.reference.schedules`, so decoding with the exact KV cache (clean blocks appended
+           of `dblock.decoding.schedules`, so decoding with the exact KV cache (clean blocks appended
            block-causally, the current block bidirectional) is in distribution. Loss on the noisy half only.
   routing  aux-loss-free load balancing (DeepSeek-V3): after each optimizer step, per MoE layer,
            expert_bias_e += u * sign(mean_load - load_e), loads counted from `taps["topk_ids"]` over every row

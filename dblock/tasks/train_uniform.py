@@ -1,6 +1,6 @@
 """The diffusion_gemma (uniform-state, self-conditioning) objective of `dblock train-tiny` -> `tiny-uniform`.
 
-Layout (the `after_prompt` layout of `dblock.reference.schedules`): canvases of C positions start right after the
+Layout (the `after_prompt` layout of `dblock.decoding.schedules`): canvases of C positions start right after the
 prompt. One example = prompt + answer + <eos>, then <eos> up to the batch's number of canvases (trained like any
 answer token, so the model learns to emit <eos>); rows of different prompt lengths are right-padded with invalid
 positions that nobody sees.

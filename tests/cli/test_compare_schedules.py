@@ -6,7 +6,7 @@ import pytest
 from dblock.cli import main
 from dblock.compare import compare_schedules, derive
 from dblock.config import DecodeConfig
-from dblock.reference.generate import reference_forward
+from dblock.decoding.generate import reference_forward
 from dblock.simulator.oba import fit_alpha
 from dblock.tiny import make_tiny_model
 

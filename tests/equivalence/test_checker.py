@@ -53,7 +53,7 @@ def test_healthy_executor_passes_the_same_workload():
 def test_audit_only_checks_catch_the_faults_too(fault):
     """`check_executor` judges a plain run (no shadow) from the audit records alone."""
     from dblock.forward import Segment, StepInput, block_causal
-    from dblock.reference.generate import generate
+    from dblock.decoding.generate import generate
     f = epoch_forward(MODEL, "epoch", audit=True, inject=[fault])
     if fault == "skip-live-logits":     # a schedule cannot even consume its output: one hand-driven pass
         M = MODEL.config.mask_token_id

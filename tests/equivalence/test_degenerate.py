@@ -1,11 +1,11 @@
-"""Degenerate settings are exact (SPEC §5): full_compute ≡ reference, the paired-block proposition, world-size
+"""Degenerate settings are exact (docs/algorithms.md §5): full_compute ≡ reference, the paired-block proposition, world-size
 invariance — and each check can fail (a check that cannot fail proves nothing)."""
 import pytest
 import torch
 
 from dblock.config import DecodeConfig
 from dblock.equivalence import degenerate as dg
-from dblock.reference.generate import generate, reference_forward
+from dblock.decoding.generate import generate, reference_forward
 from dblock.tiny import make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [12, 13, 14, 15, 16, 17, 18, 19, 20]]

@@ -1,4 +1,4 @@
-"""The decision margin (SPEC §5): perturbations inside Γ never change a decision, and the exact margin Γ* is tight."""
+"""The decision margin (docs/algorithms.md §5): perturbations inside Γ never change a decision, and the exact margin Γ* is tight."""
 import math
 
 import torch
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from dblock.equivalence.margins import (delta_inf, entropy_bound_check, fixed_k_decision64, fixed_k_margin,
                                         same_decision, threshold_decision64, threshold_margin)
-from dblock.reference.samplers import threshold_rule
+from dblock.decoding.samplers import threshold_rule
 
 INSIDE = 1 - 1e-6        # strictly inside, with room for fp64 rounding of z + δ
 OUTSIDE = 1 + 1e-6
@@ -151,7 +151,7 @@ def test_spec_margin_is_tight_where_the_top_gap_binds(blk, tau):
 
 
 def test_spec_half_gap_fallback_margin_is_not_sufficient():
-    """SPEC §5 writes the fallback term as half the log-confidence gap; two rows move toward each other by up to 4ε
+    """docs/algorithms.md §5 writes the fallback term as half the log-confidence gap; two rows move toward each other by up to 4ε
     (2ε each when the confidences are small), so a perturbation inside that half gap can swap the fallback's
     winner. This module uses a quarter."""
     V = 1001                                                 # a flat distribution: log p moves by almost 2ε
@@ -163,7 +163,7 @@ def test_spec_half_gap_fallback_margin_is_not_sufficient():
     real = z[:, :mask_id]
     logp = real.max(-1).values - torch.logsumexp(real, -1)
     half = float(logp[0] - logp[1]) / 2
-    eps = 0.9 * half                                         # inside SPEC's half gap...
+    eps = 0.9 * half                                         # inside the sufficient margin's half gap...
     zp = z.clone()
     zp[0, :mask_id] += eps
     zp[0, 0] -= 2 * eps                                      # row 0: -eps on its top token, +eps elsewhere
@@ -200,7 +200,7 @@ def test_commit_all_and_single_row():
 
 def test_entropy_bound_check_shares_randomness_and_detects_changes():
     from dblock.config import DecodeConfig
-    from dblock.reference.gemma_sampler import UniformRule
+    from dblock.decoding.entropy_bound import UniformRule
 
     class Cfg:
         vocab_size, eos_token_id, pad_token_id = 16, 1, 0

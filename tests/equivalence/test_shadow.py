@@ -8,7 +8,7 @@ from dblock.config import DecodeConfig
 from dblock.equivalence.report import shadow_section
 from dblock.equivalence.shadow import ShadowForward, shadow_generate
 from dblock.optimized.executor import epoch_forward
-from dblock.reference.generate import generate, reference_forward
+from dblock.decoding.generate import generate, reference_forward
 from dblock.tiny import make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [12, 13, 14, 15, 16, 17, 18, 19, 20]]

@@ -19,7 +19,7 @@ from dblock.config import DecodeConfig
 from dblock.forward import Segment, StepInput
 from dblock.kernels.stack import TritonStages
 from dblock.optimized.executor import TorchStages, epoch_forward
-from dblock.reference.generate import generate
+from dblock.decoding.generate import generate
 from dblock.tiny import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""The teaching notebooks (issue 12): stored with outputs stripped, and executed top to bottom so they cannot rot.
+"""The teaching notebooks: stored with outputs stripped, and executed top to bottom so they cannot rot.
 
 Each notebook runs in a fresh `python3` kernel on this interpreter (`dblock.notebooks_render.kernel_env`), exactly
 as `make notebooks` runs it, and must finish without a cell error within NOTEBOOK_BUDGET_S. A notebook that needs a

@@ -1,4 +1,4 @@
-"""Expert/sequence-parallel FreshLane (issue 10): gloo ranks on 127.0.0.1 against the single-process executor.
+"""Expert/sequence-parallel FreshLane: gloo ranks on 127.0.0.1 against the single-process executor.
 
 Every distributed test is bounded: `run_distributed` kills ranks that outlive their deadline, and each test
 asserts its own elapsed time. One spawn per world size runs all scenarios, to keep process start-up (torch import
@@ -21,7 +21,7 @@ from dblock.forward import Forward
 from dblock.optimized.ep import (DistributedRunError, EPDispatcher, bounds, comm_summary, plan_layout, row_bytes,
                                  run_distributed, wire_counts)
 from dblock.optimized.executor import epoch_forward
-from dblock.reference.generate import generate
+from dblock.decoding.generate import generate
 from dblock.tiny import make_tiny_model
 from dblock.trace import TraceWriter
 from tests.conftest import tol

@@ -7,7 +7,7 @@ from dblock.forward import Segment, StepInput, block_causal
 from dblock.optimized.executor import epoch_forward
 from dblock.optimized.freshlane import grouped_swiglu_torch, sort_by_expert
 from dblock.reference.executor import LladaReference
-from dblock.reference.generate import generate
+from dblock.decoding.generate import generate
 from dblock.tiny import make_tiny_model
 from tests.conftest import tol
 

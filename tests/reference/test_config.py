@@ -4,7 +4,7 @@ import pytest
 
 from dblock.config import ConfigError, DecodeConfig, llada_config_from_dict, load_config
 
-# LLaDA2.0-mini config.json values (shared/reference/model-spec-llada-moe.md, third-party fixture copies)
+# LLaDA2.0-mini config.json values (docs/models.md, third-party fixture copies)
 MINI = {
     "model_type": "llada2_moe", "architectures": ["LLaDA2MoeModelLM"], "hidden_size": 2048, "num_hidden_layers": 20,
     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 5120,

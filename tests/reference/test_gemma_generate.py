@@ -1,4 +1,4 @@
-"""Native decoding of DiffusionGemma through `dblock.reference.generate.generate` against transformers'
+"""Native decoding of DiffusionGemma through `dblock.decoding.generate.generate` against transformers'
 `DiffusionGemmaForBlockDiffusion.generate`: identical tokens, identical pass counts, EOS and pad.
 
 Batch size. Token identity is checked at batch 1 (`torch.manual_seed(S)` + transformers' generate versus one
@@ -15,8 +15,8 @@ import torch
 import dblock
 from dblock.config import DecodeConfig
 from dblock.reference.gemma import save_gemma
-from dblock.reference.gemma_sampler import transformers_tpf_of
-from dblock.reference.generate import generate
+from dblock.decoding.entropy_bound import transformers_tpf_of
+from dblock.decoding.generate import generate
 from tests.reference.gemma_util import hf_generate, hf_twin, make_ours, one_thread
 
 transformers = pytest.importorskip("transformers")

@@ -17,7 +17,7 @@ from dblock.config import ConfigError, DecodeConfig, load_config
 from dblock.forward import StepInput, block_causal
 from dblock.reference.gemma import (FULL, SLIDING, GemmaConfig, GemmaReference, make_tiny_gemma, save_gemma,
                                     tiny_gemma_config)
-from dblock.reference.generate import generate
+from dblock.decoding.generate import generate
 from dblock.weights import WeightsError
 from tests.conftest import tol
 from tests.reference.gemma_util import (TINY_CONFIGS, canvas_segment, fixed_segment, hf_generate, hf_twin, make_exact,
@@ -82,7 +82,7 @@ def test_teacher_forced_batch3_padded(tmp_path, name):
 
 def test_segment_visibility_paired_pass():
     """OBA layout [current, warm-up] with visibility [[1,0],[1,1]]: the current block's logits equal those of the
-    block decoded alone (SPEC §5 paired-block proposition); the warm-up block sees the current one (its logits
+    block decoded alone (docs/algorithms.md §5 paired-block proposition); the warm-up block sees the current one (its logits
     change when the current tokens change) and Dense Mask lets the current block see the warm-up block."""
     ours = make_ours("w4", seed=3)
     fwd = GemmaReference(ours)

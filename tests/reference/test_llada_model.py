@@ -6,7 +6,7 @@ import dblock
 from dblock.config import DecodeConfig
 from dblock.forward import Segment, StepInput, block_causal
 from dblock.reference.executor import LladaReference
-from dblock.reference.generate import generate
+from dblock.decoding.generate import generate
 from dblock.tiny import make_tiny_model
 from tests.conftest import tol
 

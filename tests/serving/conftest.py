@@ -38,7 +38,7 @@ def tokenizer(model):
 
 def make_forward(model, executor: str):
     from dblock.optimized.executor import epoch_forward
-    from dblock.reference.generate import reference_forward
+    from dblock.decoding.generate import reference_forward
     return reference_forward(model) if executor == "reference" else epoch_forward(model)
 
 
@@ -77,7 +77,7 @@ class SlowForward(Forward):
 
 
 def offline(model, executor, schedule, prompt, max_tokens, seed=0, dec=DEC):
-    from dblock.reference.generate import generate
+    from dblock.decoding.generate import generate
     res = generate(make_forward(model, executor), [list(prompt)], dec.replace(max_new_tokens=max_tokens), schedule,
                    seeds=[seed])
     return res.tokens[0]

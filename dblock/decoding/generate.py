@@ -1,6 +1,6 @@
 """`generate(requests) -> tokens + counters`: the library entry behind `dblock generate`.
 
-Counters (SPEC §0), summed over requests: Y valid tokens, K blocks, F denoising passes, Q serving passes,
+Counters (docs/counters.md), summed over requests: Y valid tokens, K blocks, F denoising passes, Q serving passes,
 TPF = ΣY/ΣQ; T_den = mean wall time of a denoising call (a batched call counts once); TPS = ΣY / denoising wall
 time; wall TPS = ΣY / whole wall time (host overhead, prefill and appends included).
 """
@@ -13,7 +13,7 @@ import torch
 
 from dblock.config import DecodeConfig
 from dblock.forward import Forward
-from dblock.reference.schedules import Request, RequestRun, RunTimes, ScheduleSpec, drive, schedule_spec
+from dblock.decoding.schedules import Request, RequestRun, RunTimes, ScheduleSpec, drive, schedule_spec
 from dblock.trace import NULL_TRACE, TraceWriter
 
 
@@ -58,7 +58,7 @@ class GenerateResult:
         beside ours, so users can compare with `model.generate` outputs."""
         if not self.runs or self.runs[0].cfg.family != "diffusion_gemma":
             return {}
-        from dblock.reference.gemma_sampler import transformers_tpf
+        from dblock.decoding.entropy_bound import transformers_tpf
         pad = self.runs[0].cfg.pad_token_id
         tokens = sum(len(r.generated) if pad is None else sum(1 for t in r.generated if t != pad) for r in self.runs)
         F = sum(r.counters.F for r in self.runs)

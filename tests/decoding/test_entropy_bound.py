@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dblock.config import DecodeConfig
-from dblock.reference.gemma_sampler import (UniformRule, entropy_bound_accept, pad_after_eos, stable_and_confident,
+from dblock.decoding.entropy_bound import (UniformRule, entropy_bound_accept, pad_after_eos, stable_and_confident,
                                             temperature, token_entropy, transformers_tpf)
 
 gen_mod = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")

@@ -1,4 +1,4 @@
-"""Multi-block schedules (SPEC §3): the paired-block proposition, promotion per ablation, in-order commits,
+"""Multi-block schedules (docs/algorithms.md §3): the paired-block proposition, promotion per ablation, in-order commits,
 counters by hand, noise streams, FlowBlock's gate."""
 import copy
 
@@ -8,8 +8,8 @@ import torch
 from dblock.config import DecodeConfig
 from dblock.forward import Segment, StepInput, block_causal, dense
 from dblock.reference.executor import LladaReference
-from dblock.reference.generate import generate, reference_forward
-from dblock.reference.schedules import (OBA_ABLATIONS, Request, RequestRun, RunTimes, ScheduleSpec, schedule_spec,
+from dblock.decoding.generate import generate, reference_forward
+from dblock.decoding.schedules import (OBA_ABLATIONS, Request, RequestRun, RunTimes, ScheduleSpec, schedule_spec,
                                         step_once)
 from dblock.tiny import make_tiny_model
 from tests.conftest import logits_tol, tol

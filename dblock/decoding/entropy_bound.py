@@ -1,4 +1,4 @@
-"""The entropy-bound step rule of uniform-state diffusion (SPEC §2.3): DiffusionGemma's sampler, as a block rule.
+"""The entropy-bound step rule of uniform-state diffusion (docs/algorithms.md §2.3): DiffusionGemma's sampler, as a block rule.
 
 Identical to transformers 5.23 `generation_diffusion_gemma.py` (EntropyBoundSampler, LinearTemperatureSchedule-
 LogitsProcessor, StableAndConfidentStoppingCriteria, `_denoising_step`, `_finalize_canvas`) for one canvas:
@@ -17,13 +17,13 @@ LogitsProcessor, StableAndConfidentStoppingCriteria, `_denoising_step`, `_finali
   commit    the last argmax canvas; tokens after its first EOS become pad
 
 The block's sampler state is the explicit value `UniformBlock` = (x, z, t, σ) so schedules can promote parts of it
-(SPEC §3): x tokens, z self-conditioning logits, t steps remaining, σ stop bookkeeping (argmax history, stopped).
+(docs/algorithms.md §3): x tokens, z self-conditioning logits, t steps remaining, σ stop bookkeeping (argmax history, stopped).
 Every draw comes from the generator passed in (`gen`, a CPU torch.Generator; logits from any device are moved to the
 CPU to sample, so a seed gives the same draws on every device). Native passes one generator per request seeded with
 the request's seed, which reproduces `torch.manual_seed(seed)` + transformers' `generate` at batch 1 token for
 token when transformers runs on the CPU (on CUDA it draws from the CUDA generator, a different stream).
 
-Decisions where transformers and the SPEC are silent (written here, used by OBA / FlowBlock later):
+Decisions where transformers is silent (written here, used by OBA / FlowBlock later):
   * warm-up (`step(..., warmup=True)`): the clock never runs out -- after the step n = max(n - 1, 1), so the step at
     n = 1 repeats until promotion -- and a warm-up block never stops: σ (the argmax history) is updated, but the
     stop test is not applied until the block is current.
@@ -102,7 +102,7 @@ def pad_after_eos(tokens: torch.Tensor, eos_ids, pad_id: int) -> torch.Tensor:
 def transformers_tpf(generated: list, passes: int, pad_token_id: Optional[int]) -> float:
     """transformers' `_compute_tokens_per_forward` for one request: tokens of every committed canvas (whole
     canvases, after pad replacement) that are not `pad_token_id`, over its denoising passes. It differs from
-    SPEC's TPF = Y / (F + K): no append / prefill passes in the denominator, and no max_new_tokens truncation or
+    our TPF = Y / (F + K) (docs/counters.md): no append / prefill passes in the denominator, and no max_new_tokens truncation or
     stop at EOS in the numerator (an EOS counts; a genuinely generated pad id does not)."""
     n = len(generated) if pad_token_id is None else sum(1 for t in generated if t != pad_token_id)
     return n / passes if passes else 0.0
@@ -138,7 +138,7 @@ class UniformBlock:
 
 
 class UniformRule:
-    """Entropy-bound rule (SPEC §2.3) with the block interface of `schedules.MaskedRule`."""
+    """Entropy-bound rule (docs/algorithms.md §2.3) with the block interface of `schedules.MaskedRule`."""
 
     uniform = True
 

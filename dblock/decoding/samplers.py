@@ -1,11 +1,11 @@
-"""Step rules for masked diffusion (SPEC §2.1, §2.2): pure functions over the logits of a block's live positions.
+"""Step rules for masked diffusion (docs/algorithms.md §2.1, §2.2): pure functions over the logits of a block's live positions.
 
 Both rules exclude the MASK id from the prediction: its logit is set to -inf before the argmax *and* before the
 softmax that gives the confidence, so `conf` is the probability of the predicted token among real tokens.
-(LLaDA's own decoders never predict MASK in practice; excluding it makes that a guarantee. SPEC §5's decision
+(LLaDA's own decoders never predict MASK in practice; excluding it makes that a guarantee. docs/algorithms.md §5's decision
 margin is computed on the same masked logits.)
 
-The uniform-state entropy-bound rule (§2.3) lives with DiffusionGemma in `dblock.reference.gemma_sampler`.
+The uniform-state entropy-bound rule (§2.3) lives with DiffusionGemma in `dblock.decoding.entropy_bound`.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def predict(logits: torch.Tensor, mask_id: int):
 
 
 def threshold_rule(logits: torch.Tensor, mask_id: int, tau: float = 0.95, commit_all: bool = False) -> StepDecision:
-    """SPEC §2.1. Commit every live row with conf >= tau; if none clears tau, the single most confident one
+    """docs/algorithms.md §2.1. Commit every live row with conf >= tau; if none clears tau, the single most confident one
     (ties -> the lowest row). `commit_all` (the block reached max_steps) commits every row by argmax."""
     tok, conf = predict(logits, mask_id)
     n = tok.shape[0]
@@ -54,7 +54,7 @@ def transfer_schedule(n_masked: int, steps: int) -> list[int]:
 
 
 def fixed_k_rule(logits: torch.Tensor, mask_id: int, k: int) -> StepDecision:
-    """SPEC §2.2 (LLaDA `generate.py`, low-confidence remasking): commit the k most confident live rows
+    """docs/algorithms.md §2.2 (LLaDA `generate.py`, low-confidence remasking): commit the k most confident live rows
     (stable order: ties -> lower row)."""
     tok, conf = predict(logits, mask_id)
     n = tok.shape[0]
@@ -105,8 +105,8 @@ def masked_step(block: MaskedBlock, logits: torch.Tensor, rule: str, tau: float,
                 accept: bool = True) -> StepDecision:
     """Advance a masked block by one pass given the logits of its live rows (in row order). Mutates `block`.
 
-    threshold: SPEC 2.1, the pass that reaches `max_steps` commits everything left.
-    fixed-k:   SPEC 2.2, `steps` passes, the block's masked count split evenly (remainder first).
+    threshold: docs/algorithms.md §2.1, the pass that reaches `max_steps` commits everything left.
+    fixed-k:   docs/algorithms.md §2.2, `steps` passes, the block's masked count split evenly (remainder first).
     `accept=False` (OBA no_accept ablation) runs the rule but commits nothing.
     """
     live_idx = block.live.nonzero(as_tuple=True)[0]

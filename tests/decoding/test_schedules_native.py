@@ -2,7 +2,7 @@
 import torch
 
 from dblock.config import DecodeConfig
-from dblock.reference.generate import generate
+from dblock.decoding.generate import generate
 from tests.reference.scripted import ScriptedForward
 
 EOS = 14

@@ -1,7 +1,7 @@
-"""Step rules on hand-made logits (SPEC §2.1, §2.2)."""
+"""Step rules on hand-made logits (docs/algorithms.md §2.1, §2.2)."""
 import torch
 
-from dblock.reference.samplers import MaskedBlock, fixed_k_rule, masked_step, threshold_rule, transfer_schedule
+from dblock.decoding.samplers import MaskedBlock, fixed_k_rule, masked_step, threshold_rule, transfer_schedule
 
 V, MASK = 8, 7
 

@@ -6,7 +6,7 @@ in-flight blocks — and consumes the result. The driver (`drive`) batches all r
 per kind per iteration, so requests at different blocks and passes share forwards, and a request's tokens never
 depend on what else is in flight. The serving engine drives the same `RequestRun`s one pass at a time.
 
-Layouts (SPEC §1, §3):
+Layouts (docs/algorithms.md §1, §3):
   grid         llada2_moe. Blocks on the absolute grid [bC, (b+1)C); the prompt's tail shares the first generated
                block (those rows are fixed, never re-decoded). Prefill = the prompt's full blocks, block-causal.
                KV path: one append pass per committed block. No-cache path: every pass recomputes the committed
@@ -18,7 +18,7 @@ Layouts (SPEC §1, §3):
 In-flight blocks (index 0 = current): Native keeps one; OBA keeps a warm-up block beside the current one from the
 current block's first pass; FlowBlock(W) keeps up to W, starting the next block when the newest one's readiness
 reaches the gate. The current block commits when its own stop rule says so; blocks commit in order; the warm-up
-block is then promoted and keeps what the schedule's `keep` set says (SPEC §3).
+block is then promoted and keeps what the schedule's `keep` set says (docs/algorithms.md §3).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 
 from dblock.config import DecodeConfig
 from dblock.forward import Forward, Segment, StepInput, block_causal
-from dblock.reference.samplers import MaskedBlock, masked_step
+from dblock.decoding.samplers import MaskedBlock, masked_step
 from dblock.trace import NULL_TRACE, TraceWriter
 
 SCHEDULES = ("native", "native2c", "oba", "dense_mask", "flowblock",
@@ -114,7 +114,7 @@ class BlockStats:
 
 @dataclass
 class Counters:
-    """SPEC §0 counters of one request (or summed over many: see `sum_counters`)."""
+    """docs/counters.md counters of one request (or summed over many: see `sum_counters`)."""
 
     Y: int = 0                  # valid generated tokens, up to and including the first EOS
     K: int = 0                  # committed blocks
@@ -185,7 +185,7 @@ class MaskedRule:
 
 def make_rule(cfg, dec: DecodeConfig):
     if cfg.family == "diffusion_gemma":
-        from dblock.reference.gemma_sampler import UniformRule
+        from dblock.decoding.entropy_bound import UniformRule
         return UniformRule(cfg, dec)
     if dec.rule == "entropy-bound":
         raise ValueError(f"rule=entropy-bound is for uniform-state models; {cfg.family} allows threshold, fixed-k")
