@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dblock demo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -p no:cacheprovider --timeout=600
+	$(VPY) -m pytest -p no:cacheprovider --timeout=600 --durations=15
 
 notebooks: $(STAMP)
 	$(VPY) -m dblock.notebooks_render

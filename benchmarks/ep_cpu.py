@@ -14,7 +14,7 @@ rows move) and with dense dispatch (every row of the call moves), alternating th
     .venv/bin/python benchmarks/ep_cpu.py --worlds 2 --repeats 1 # a smoke run
     .venv/bin/python benchmarks/ep_cpu.py --markdown BENCHMARKS.md   # also append the tables there
 
-The multi-GPU path is the same function (`dblock.optimized.ep.bench_worker`) under `run_distributed(...,
+The multi-GPU path is the same function (`benchmarks.ep_workers.bench_worker`) under `run_distributed(...,
 backend="nccl")` with cfg["device"] = "cuda". Never used by tests.
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dblock.optimized.ep import bench_worker, comm_summary, run_distributed  # noqa: E402
+from benchmarks.ep_workers import bench_worker  # noqa: E402
+from dblock.optimized.ep import comm_summary, run_distributed  # noqa: E402
 
 # A random LLaDA2-shaped model in which the routed experts dominate the pass (32 experts top-4, wide experts); its
 # LM head is scaled by 0.3 so that blocks take ~8 passes, as a trained model's do, instead of ~2.

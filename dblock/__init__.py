@@ -5,8 +5,16 @@
     res = dblock.generate(model, [[5, 6, 7]], dblock.DecodeConfig(max_new_tokens=64))
     res.tokens, res.summary()
 """
-from dblock.config import ConfigError, DecodeConfig, ModelConfig, load_config
-from dblock.weights import WeightsError, load, save
+from dblock.config import DecodeConfig, ModelConfig, load_config
+from dblock.errors import ConfigError, WeightsError
+
+
+def __getattr__(name):
+    """`load` and `save` import torch: loaded on first use, so `import dblock` (and `dblock --help`) stays light."""
+    if name in ("load", "save"):
+        from dblock import weights
+        return getattr(weights, name)
+    raise AttributeError(f"module 'dblock' has no attribute {name!r}")
 
 
 def generate(*args, **kwargs):

@@ -1,158 +1,40 @@
 """`dblock <command>`: thin argparse front end. Parse, call library functions, print.
 
-Errors are one line on stderr with exit status 2 (set DBLOCK_DEBUG=1 to see the traceback).
+The command tree is plain argparse, built by `build_parser()`: this module's own commands (info, generate, make-tiny,
+demo), then every room's commands, each from its cli module's `add_parser(subparsers)` (`ROOM_CLIS`, imported here
+by name). Every subcommand carries its run function as `set_defaults(_run=fn)`; `main` calls `args._run(args)`.
+Shared option groups and helpers live in `dblock.cli_args` (rooms import them from there, not from here). Building
+the tree imports no torch: each run function imports what it needs.
+
+Errors are one line on stderr with exit status 2 (set DBLOCK_DEBUG=1 to see the traceback): `dblock: error: ...`
+for the errors a user can fix (`DblockError` and the standard `USER_ERRORS`), `dblock: internal error (Type): ...`
+for anything else. Usage errors (an unknown flag, a value of the wrong type or out of its range) are one line too:
+the parser is `dblock.cli_args.ArgumentParser`, and every numeric flag carries its range in its argparse `type`.
+What depends on the model (block size, prompt + --max-new-tokens against the positions, token ids against the
+vocabulary, the device) is checked from config.json before the weights are read.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-COMMANDS = {}  # name -> (add_arguments(parser), run(args) -> int)
+from dblock import schedules_cli
+from dblock.cli_args import (ArgumentParser, add_batch_size_arg, add_decode_args, add_executor_args,  # noqa: F401
+                             add_model_args, add_special_tokens_arg, check_fits, check_out_dir, check_out_file,
+                             decode_config, encode_texts, int_arg, is_rank0, load_model, load_tokenizer, make_forward,
+                             model_config, parse_ids, prepare_triton, schedule_from_args, seed_arg, under_torchrun)
+from dblock.equivalence import cli as equivalence_cli
+from dblock.errors import DblockError
+from dblock.serving import cli as serving_cli
+from dblock.simulator import cli as simulator_cli
+from dblock.tasks import cli as tasks_cli
 
+#: rooms whose commands follow this module's own, in `dblock --help` order
+ROOM_CLIS = (simulator_cli, tasks_cli, equivalence_cli, serving_cli, schedules_cli)
 
-def command(name: str, help: str):
-    def deco(fn_pair):
-        COMMANDS[name] = (help, *fn_pair)
-        return fn_pair
-    return deco
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# shared option groups
-# ---------------------------------------------------------------------------------------------------------------
-
-def add_model_args(p, required=True):
-    p.add_argument("--model", required=required,
-                   help="model folder (HF config.json + safetensors) or bundled name: tiny-masked, tiny-uniform")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float64", "float16"],
-                   help="compute dtype (default: float32 on cpu, the stored dtype on cuda)")
-
-
-def add_decode_args(p):
-    g = p.add_argument_group("decoding")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per request (default 128)")
-    g.add_argument("--block-size", type=int, default=None, help="block size C (default: the model's)")
-    g.add_argument("--rule", default=None, choices=["threshold", "fixed-k", "entropy-bound"],
-                   help="step rule (default: threshold for masked models, entropy-bound for uniform-state)")
-    g.add_argument("--threshold", type=float, default=0.95, help="threshold rule: commit when confidence >= tau")
-    g.add_argument("--max-steps", type=int, default=64, help="threshold rule: passes per block before commit-all")
-    g.add_argument("--steps", type=int, default=None,
-                   help="fixed-k: passes per block (default 32); entropy-bound: denoising steps N (default 48)")
-    g.add_argument("--no-cache", action="store_true",
-                   help="llada2_moe: recompute the whole prefix every pass instead of the exact KV cache")
-    g.add_argument("--seed", type=int, default=0,
-                   help="noise seed (uniform-state; Native: same stream as torch.manual_seed(S) + transformers)")
-    g.add_argument("--entropy-bound", type=float, default=0.1, help="entropy-bound rule: budget b (default 0.1)")
-    g.add_argument("--temperature", default="0.8,0.4", help="entropy-bound rule: t_max,t_min (default 0.8,0.4)")
-    g.add_argument("--stability", type=int, default=1, help="entropy-bound stop: argmax stable for this many steps")
-    g.add_argument("--confidence", type=float, default=0.005, help="entropy-bound stop: mean entropy below this")
-    g.add_argument("--schedule", default="native",
-                   help="native | native2c | oba | dense_mask | flowblock | drop_time | keep_signal | keep_tokens "
-                        "| no_accept | no_signal (default native)")
-    g.add_argument("--window", type=int, default=None, help="flowblock: blocks in flight W (2..4, default 2)")
-    g.add_argument("--gate", type=float, default=None, help="flowblock: readiness gate gamma (default 0.5)")
-
-
-def add_executor_args(p):
-    g = p.add_argument_group("executor")
-    g.add_argument("--executor", default="reference", choices=["reference", "epoch"],
-                   help="reference (dense, readable) or epoch (optimized: Expert Atlas + LSP + FreshLane)")
-    g.add_argument("--epoch-config", default="epoch", choices=["epoch", "full_compute", "no_atlas", "no_lsp", "dense"],
-                   help="epoch executor configuration (default epoch: all on)")
-    g.add_argument("--refresh", type=int, default=None, help="LSP refresh period M_C (default 5)")
-    g.add_argument("--atlas-alpha", type=float, default=None, help="Expert Atlas coverage floor alpha (default 0.9)")
-    g.add_argument("--atlas-q", type=float, default=None, help="Expert Atlas covered-token quota q (default 0.95)")
-    g.add_argument("--update-every", type=int, default=None, help="Expert Atlas hot-update period in passes (default 4)")
-    g.add_argument("--atlas-m", type=int, default=None, help="Expert Atlas extra candidates per token (default K)")
-    g.add_argument("--atlas-B", type=int, default=None,
-                   help="Expert Atlas initial support size (default min(E, 4K))")
-    g.add_argument("--atlas-beta", type=float, default=None, help="Expert Atlas score weight beta (default 1)")
-    g.add_argument("--atlas-c", type=int, default=None, help="Expert Atlas experts added per repair round (default K)")
-    g.add_argument("--use-triton", action="store_true",
-                   help="run the epoch executor's Triton kernels (interpreter on a machine without a GPU)")
-    # expert/sequence-parallel MoE on torch.distributed (dblock.optimized.ep)
-    g.add_argument("--ep", type=int, default=None,
-                   help="expert-parallel ranks: launch with torchrun --nproc-per-node N -m dblock ... --ep N (gloo on "
-                        "cpu, NCCL on cuda; default: the launcher's world size, or 1 process without torchrun; "
-                        "--ep 1 runs the distributed code path in one process)")
-    g.add_argument("--ep-dispatch", default="freshlane", choices=["freshlane", "dense"],
-                   help="with --ep / torchrun: move only fresh rows (freshlane, default) or every row (dense, for "
-                        "comparison); traces count both either way")
-
-
-def decode_config(args, family: str):
-    from dblock.config import ConfigError, DecodeConfig
-    try:
-        temp = tuple(float(x) for x in args.temperature.split(","))
-    except ValueError:
-        raise ConfigError(f"--temperature {args.temperature!r}: give t_max,t_min, e.g. 0.8,0.4") from None
-    rule = args.rule or ("entropy-bound" if family == "diffusion_gemma" else "threshold")
-    if family == "diffusion_gemma" and rule != "entropy-bound":
-        raise ConfigError(f"--rule {rule}: diffusion_gemma is uniform-state and decodes with entropy-bound")
-    return DecodeConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size, rule=rule,
-                        threshold=args.threshold, max_steps=args.max_steps, steps=args.steps,
-                        no_cache=args.no_cache, seed=args.seed, entropy_bound=args.entropy_bound,
-                        temperature=temp, stability=args.stability, confidence=args.confidence).validate()
-
-
-def load_model(args):
-    import dblock
-    dtype = args.dtype or ("float32" if args.device == "cpu" else None)
-    device = args.device
-    if device == "cuda" and "LOCAL_RANK" in os.environ:      # torchrun: one GPU per process
-        device = f"cuda:{os.environ['LOCAL_RANK']}"
-    return dblock.load(args.model, dtype=dtype, device=device)
-
-
-def under_torchrun() -> bool:
-    """Started by torchrun: every rank runs the command, rank 0 prints and writes files."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def is_rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
-def make_forward(model, args):
-    """The executor chosen on the command line, over the loaded model's weights."""
-    from dblock.decoding.generate import reference_forward
-    ep = getattr(args, "ep", None)
-    if ep is not None and (getattr(args, "executor", "reference") == "reference" or args.epoch_config == "dense"):
-        raise ValueError(f"--ep {ep}: expert parallelism runs the epoch executor; add --executor epoch (and an "
-                         "--epoch-config other than dense)")
-    if getattr(args, "executor", "reference") == "reference":
-        return reference_forward(model)
-    from dblock.optimized.executor import epoch_forward
-    dispatcher = None
-    if (ep is not None or under_torchrun()) and args.epoch_config != "dense":
-        from dblock.optimized.ep import dispatcher_from_cli
-        dispatcher = dispatcher_from_cli(model, ep, args.ep_dispatch, str(model.embed.weight.device))
-    return epoch_forward(model, args.epoch_config, refresh=args.refresh, atlas_alpha=args.atlas_alpha,
-                         atlas_q=args.atlas_q, update_every=args.update_every, use_triton=args.use_triton,
-                         dispatcher=dispatcher, atlas_m=args.atlas_m, atlas_B=args.atlas_B,
-                         atlas_beta=args.atlas_beta, atlas_c=args.atlas_c)
-
-
-def load_tokenizer(model):
-    """The model folder's tokenizer.json through the `tokenizers` package, or None."""
-    path = os.path.join(getattr(model, "source", ""), "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(path)
-
-
-def parse_ids(s: str) -> list:
-    try:
-        ids = [int(x) for x in s.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise ValueError(f"--prompt-ids {s!r}: give comma-separated integers, e.g. 5,6,7") from None
-    if not ids:
-        raise ValueError("--prompt-ids: empty")
-    return ids
+#: besides `DblockError`, the exceptions whose message is meant for the user (`dblock: error: ...`)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,18 +62,17 @@ def _info(args) -> int:
     return 0
 
 
-command("info", "config summary, total and active parameters, weight memory")((_info_args, _info))
-
-
 def _generate_args(p):
     add_model_args(p)
     p.add_argument("--prompt", action="append", default=None,
-                   help="prompt text (needs tokenizer.json in the model folder); repeat for a batch")
+                   help="prompt text (needs tokenizer.json in the model folder); repeat for a batch. The text of a "
+                        "special token (<eos>, <mask>) stays plain text unless --allow-special-tokens")
     p.add_argument("--prompt-ids", action="append", default=None,
                    help="prompt token ids, comma-separated; repeat for a batch")
+    add_special_tokens_arg(p)
     add_decode_args(p)
     add_executor_args(p)
-    p.add_argument("--batch-size", type=int, default=None, help="requests per forward (default: all)")
+    add_batch_size_arg(p)
     p.add_argument("--trace", default=None, help="write a JSON-lines per-pass trace to this file")
     p.add_argument("--json", action="store_true", help="print {tokens, text, counters} as JSON")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
@@ -199,21 +80,32 @@ def _generate_args(p):
 
 def _generate(args) -> int:
     from dblock.decoding.generate import generate
-    from dblock.decoding.schedules import schedule_spec
     from dblock.trace import TraceWriter
 
     if not args.prompt and not args.prompt_ids:
         raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
-    model = load_model(args)
-    tok = load_tokenizer(model)
-    prompts = []
-    if args.prompt:
+    if args.trace:
+        check_out_file(args.trace, "--trace")
+    # everything that can be refused is refused from config.json and tokenizer.json, before the weights are read
+    folder, cfg = model_config(args)
+    dec = decode_config(args, cfg.family)
+    spec = schedule_from_args(args)
+    texts = args.prompt or []
+    labels = [f"--prompt [{i}]" if len(texts) > 1 else "--prompt" for i in range(len(texts))]
+    if texts:
+        tok = load_tokenizer(folder)
         if tok is None:
-            raise ValueError(f"--prompt needs a tokenizer.json in {model.source}; use --prompt-ids")
-        prompts += [tok.encode(t).ids for t in args.prompt]
-    prompts += [parse_ids(s) for s in args.prompt_ids or []]
-    dec = decode_config(args, model.config.family)
-    spec = schedule_spec(args.schedule, args.window, args.gate)
+            raise ValueError(f"--prompt needs a tokenizer.json in {folder}; use --prompt-ids")
+    else:
+        tok = None
+    prompts = encode_texts(tok, texts, cfg, labels, args.allow_special_tokens, folder)
+    ids = args.prompt_ids or []
+    prompts += [parse_ids(s) for s in ids]
+    labels += [f"--prompt-ids [{i}]" if len(ids) > 1 else "--prompt-ids" for i in range(len(ids))]
+    check_fits(cfg, dec, spec, list(zip(labels, prompts)))
+    model = load_model(args)
+    if tok is None:
+        tok = load_tokenizer(folder)
     fwd = make_forward(model, args)
     with TraceWriter(args.trace if is_rank0() else None) as tr:
         if tr.enabled:
@@ -237,28 +129,23 @@ def _generate(args) -> int:
     return 0
 
 
-command("generate", "decode prompts and print tokens and counters")((_generate_args, _generate))
-
-
 def _make_tiny_args(p):
     p.add_argument("--family", required=True, choices=["llada2_moe", "llada_moe", "diffusion_gemma"],
                    help="model family")
     p.add_argument("--out", required=True, help="output folder (config.json + model.safetensors)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed")
+    p.add_argument("--seed", type=seed_arg, default=0, help="weight seed in [0, 2**63-1]")
 
 
 def _make_tiny(args) -> int:
     from dblock.tiny import make_tiny
+    check_out_dir(args.out, "--out")
     make_tiny(args.family, args.out, seed=args.seed)
     print(f"wrote a random tiny {args.family} checkpoint to {args.out}")
     return 0
 
 
-command("make-tiny", "write a random tiny checkpoint in the real HF format")((_make_tiny_args, _make_tiny))
-
-
 def _demo_args(p):
-    p.add_argument("--n", type=int, default=None, help="problems per row (default: the demo's own)")
+    p.add_argument("--n", type=int_arg(1, 100_000), default=None, help="problems per row (default: the demo's own)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
 
 
@@ -267,55 +154,51 @@ def _demo(args) -> int:
     return run_demo(n=args.n, as_json=args.json)
 
 
-command("demo", "the main job: decode held-out problems on the bundled models, one table")((_demo_args, _demo))
+def _add_command(sub, name: str, help_: str, add_arguments, run):
+    p = sub.add_parser(name, help=help_, description=help_)
+    add_arguments(p)
+    p.set_defaults(_run=run)
+    return p
 
 
-ROOMS = ("dblock.simulator.cli", "dblock.tasks.cli", "dblock.equivalence.cli", "dblock.serving.cli",
-         "dblock.schedules_cli", "dblock.optimized.cli")
-
-
-def _room_modules():
-    """Rooms ship their own commands: a module with `add_parser(subparsers)` and `main(args) -> int`."""
-    import importlib
-    mods = []
-    for name in ROOMS:
-        try:
-            mods.append(importlib.import_module(name))
-        except ModuleNotFoundError as e:
-            if e.name != name:  # a real missing dependency inside the room: surface it
-                raise
-    return mods
+def add_parser(sub) -> None:
+    """This module's own commands."""
+    _add_command(sub, "info", "config summary, total and active parameters, weight memory", _info_args, _info)
+    _add_command(sub, "generate", "decode prompts and print tokens and counters", _generate_args, _generate)
+    _add_command(sub, "make-tiny", "write a random tiny checkpoint in the real HF format", _make_tiny_args,
+                 _make_tiny)
+    _add_command(sub, "demo", "the main job: decode held-out problems on the bundled models, one table", _demo_args,
+                 _demo)
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="dblock", description="Block-diffusion MoE LMs: reference and Epoch "
+    ap = ArgumentParser(prog="dblock", description="Block-diffusion MoE LMs: reference and Epoch "
                                  "executors, One Block Ahead schedules, equivalence suite, simulator.")
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("DBLOCK_THREADS", "1")),
+    ap.add_argument("--threads", type=int_arg(1, 1024), default=os.environ.get("DBLOCK_THREADS", "1"),
                     help="CPU intra-op threads for torch (default 1, or $DBLOCK_THREADS: the bundled models are "
                          "tiny, and extra threads only spin on a busy machine; raise it for real checkpoints)")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    runners = {}
-    for name, (help_, add, run) in COMMANDS.items():
-        add(sub.add_parser(name, help=help_, description=help_))
-        runners[name] = run
-    for mod in _room_modules():
-        before = set(sub.choices)
-        mod.add_parser(sub)
-        for name in set(sub.choices) - before:
-            runners[name] = mod.main
-    ap.set_defaults(_runners=runners)
+    add_parser(sub)
+    for room in ROOM_CLIS:
+        room.add_parser(sub)
     return ap
+
+
+def error_kind(e: BaseException) -> str:
+    """`error` for what the user can fix, `internal error (Type)` for a bug."""
+    return "error" if isinstance(e, (DblockError,) + USER_ERRORS) else f"internal error ({type(e).__name__})"
 
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:              # --help (0) or a usage error, already printed as one line (2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if not args.command:
         ap.print_help()
         return 2
-    if args.threads < 1:
-        print(f"dblock: error: --threads {args.threads}: must be >= 1", file=sys.stderr)
-        return 2
+    prepare_triton(args)                 # --use-triton without CUDA: interpreter mode, before triton is imported
     import torch
     torch.set_num_threads(args.threads)
     prog = "dblock"
@@ -325,18 +208,15 @@ def main(argv=None) -> int:
             sys.stdout = open(os.devnull, "w")
             os.environ["TQDM_DISABLE"] = "1"     # progress bars too (tqdm >= 4.66 reads it)
     try:
-        return args._runners[args.command](args) or 0
+        return args._run(args) or 0
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one clear line, no traceback (DBLOCK_DEBUG=1 re-raises)
         if os.environ.get("DBLOCK_DEBUG"):
             raise
-        known = ("ConfigError", "WeightsError", "ValueError", "FileNotFoundError", "TaskError", "EPTimeoutError",
-                 "EPError")
-        kind = "error" if type(e).__name__ in known else f"internal error ({type(e).__name__})"
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"{prog}: {kind}: {msg}", file=sys.stderr)
+        print(f"{prog}: {error_kind(e)}: {msg}", file=sys.stderr)
         return 2
 
 

@@ -17,6 +17,9 @@ Reading the table: a schedule pays in throughput when α − (r − 1) > 0. TPF 
 every warm-up step that carries progress; TPS also pays for the wider pass (r), measured here from wall time, which
 on a small model at batch 1 is mostly per-call overhead (r near 1, ±15% between runs); `dblock simulate pass`
 predicts r on GPUs.
+
+`plot` draws the rows: the break-even map (each schedule at (r, α) against the line α = r − 1) beside TPF and TPS
+relative to Native.
 """
 from __future__ import annotations
 
@@ -161,3 +164,40 @@ def format_table(rows: list) -> str:
                          if k != "schedule" else f.format(v).ljust(w))
         lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def plot(rows: list, path: Optional[str] = None):
+    """The rows of `compare_schedules` (after `derive`) as one figure, written to `path` (PNG, or any format
+    matplotlib knows from the suffix) when given; returns the matplotlib Figure.
+
+    Left, the break-even map: each schedule at (r, α), α the fitted value (the naive ᾱ where the fit is undefined,
+    as for the verdict), its 95% interval as an error bar, over the line α = r − 1 with the region where the schedule
+    pays shaded; Native is the hollow reference point; Native(2C) has no α and appears only on the right. Right, TPF
+    and TPS of every schedule over Native's (the TPF bar with its paired 95% interval). Needs the native schedule
+    among the rows (everything is relative to it) and matplotlib (the `plots` extra); no backend is selected or
+    changed (dblock/simulator/plots.py)."""
+    from dblock.errors import ConfigError
+    from dblock.simulator import plots
+    if not any(r.get("schedule") == "native" and r.get("r") is not None for r in rows):
+        raise ConfigError("plot: the break-even map and the bars are relative to Native: include native in "
+                          "--schedules (and let it run: it needs a measured denoising time)")
+    points, bars = [], []
+    for r in rows:
+        a = r.get("alpha") if r.get("alpha") is not None else r.get("alpha_naive")
+        if r.get("r") is not None and a is not None:
+            points.append(dict(name=r["schedule"], r=r["r"], alpha=a, alpha_ci=r.get("alpha_ci"),
+                               reference=r["schedule"] == "native"))
+        if r["schedule"] != "native":
+            bars.append(dict(name=r["schedule"], tpf=r.get("TPF_ratio"), tps=r.get("TPS_ratio"),
+                             tpf_ci=r.get("TPF_ratio_ci")))
+    try:
+        fig = plots._figure(figsize=(12, 4.8))
+    except ImportError:
+        raise ConfigError("plot: needs matplotlib (pip install 'dblock[plots]')") from None
+    ax_map, ax_bars = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1, 1.2]))
+    plots.draw_break_even(ax_map, points)
+    plots.draw_ratio_bars(ax_bars, bars)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig

@@ -2,8 +2,9 @@
 
 `ModelConfig` is the subset of a Hugging Face `config.json` that the executors need, read for the two LLaDA
 families (`llada2_moe` = LLaDA2.0-mini/flash, `llada_moe` = LLaDA-MoE-7B-A1B; its repo says `llada`, some copies
-`lladamoe`). DiffusionGemma has its own nested config (`GemmaConfig`, in `dblock.reference.gemma`), read through the
-same `load_config` entry point.
+`lladamoe`). DiffusionGemma has its own nested config (`GemmaConfig`, in `dblock.reference.gemma_config`), read
+through the same `load_config` entry point. Config only: reading a config imports neither torch nor a model (the
+families themselves are declared in dblock/families.py).
 
 Every value the executors do not implement is refused with a `ConfigError` naming the key and the allowed values;
 nothing is silently defaulted except the documented LLaDA token ids and block size, which real LLaDA configs do
@@ -12,25 +13,61 @@ not carry (they are `generate` arguments upstream).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from dblock import validate
 from dblock.errors import ConfigError
+from dblock.reference.gemma_config import GemmaConfig
+from dblock.validate import (BOOL, BOOL_OPT, EPS_OPT, FRACTION, FRACTION_OPT, IDS_OPT, NONNEG, NONNEG_OPT,
+                             OBJECT_OPT, POS, POS_OPT, POSITIVE_REAL, POSITIVE_REAL_OPT, STR, Field)
 
 # Token ids shared by LLaDA-MoE and LLaDA2.0 (vocab 157184). Upstream they are `generate` defaults, not config keys.
 LLADA_VOCAB = 157184
 LLADA_MASK_ID = 156895
 LLADA_EOS_ID = 156892
 
-FAMILIES = ("llada2_moe", "llada_moe", "diffusion_gemma")
+# config.json `model_type` -> family
 _MODEL_TYPE_TO_FAMILY = {
     "llada2_moe": "llada2_moe",
     "llada": "llada_moe",
     "lladamoe": "llada_moe",
     "llada_moe": "llada_moe",
     "diffusion_gemma": "diffusion_gemma",
+}
+
+# What each ModelConfig field may hold (`validate()` checks them first; dblock/validate.py has the rules).
+LLADA_FIELDS = {
+    "vocab_size": POS, "hidden_size": POS, "num_hidden_layers": POS, "num_attention_heads": POS,
+    "num_key_value_heads": POS, "head_dim": POS, "intermediate_size": NONNEG, "moe_intermediate_size": POS,
+    "num_experts": POS, "num_experts_per_tok": POS, "num_shared_experts": NONNEG, "first_k_dense_replace": NONNEG,
+    "n_group": POS, "topk_group": POS, "routed_scaling_factor": POSITIVE_REAL, "score_function": STR,
+    "use_expert_bias": BOOL, "norm_topk_prob": BOOL, "partial_rotary_factor": FRACTION,
+    "rope_theta": POSITIVE_REAL, "use_qk_norm": BOOL, "rms_norm_eps": Field("float", lo=0, hi=1, lo_open=True),
+    "mask_token_id": NONNEG, "eos_token_id": NONNEG, "pad_token_id": NONNEG, "block_size": POS,
+    "max_position_embeddings": POS, "tie_word_embeddings": BOOL, "model_type": STR,
+}
+
+# What the LLaDA config.json keys may hold, as the files spell them (checked before anything is read from them).
+# null means the documented default for every optional key.
+LLADA_KEYS = {
+    "vocab_size": POS, "hidden_size": POS, "num_hidden_layers": POS, "num_attention_heads": POS,
+    "num_key_value_heads": POS_OPT, "head_dim": POS_OPT, "max_position_embeddings": POS_OPT, "block_size": POS_OPT,
+    "rope_theta": POSITIVE_REAL_OPT, "rms_norm_eps": EPS_OPT, "partial_rotary_factor": FRACTION_OPT,
+    "mask_token_id": IDS_OPT, "eos_token_id": IDS_OPT, "pad_token_id": IDS_OPT,
+    "num_experts": POS, "num_experts_per_tok": POS,
+    "tie_word_embeddings": BOOL_OPT, "use_qkv_bias": BOOL_OPT, "use_bias": BOOL_OPT, "attention_bias": BOOL_OPT,
+    "moe_router_enable_expert_bias": BOOL_OPT, "use_qk_norm": BOOL_OPT, "rope_scaling": OBJECT_OPT,
+}
+LLADA2_KEYS = {
+    **LLADA_KEYS, "intermediate_size": POS, "moe_intermediate_size": POS, "num_shared_experts": NONNEG_OPT,
+    "first_k_dense_replace": NONNEG_OPT, "n_group": POS_OPT, "topk_group": POS_OPT,
+    "routed_scaling_factor": POSITIVE_REAL_OPT, "norm_topk_prob": BOOL_OPT,
+}
+LLADA_MOE_KEYS = {
+    **LLADA_KEYS, "expert_intermediate_size": POS_OPT, "moe_intermediate_size": POS_OPT,
+    "dense_intermediate_size": NONNEG_OPT, "shared_expert_intermediate_size": NONNEG_OPT, "qk_layernorm": BOOL_OPT,
 }
 
 
@@ -86,17 +123,28 @@ class ModelConfig:
     def num_layers(self) -> int:
         return self.num_hidden_layers
 
+    def sizes(self) -> dict:
+        """The values `dblock.validate.llada_params` / `llada_tensors` count from (closed form, no loop)."""
+        keys = validate.LLADA_SIZE_KEYS + ("first_k_dense_replace", "use_qk_norm", "use_expert_bias", "family")
+        return {k: getattr(self, k) for k in keys}
+
+    def param_count(self) -> int:
+        """Parameters of the model, in closed form (equal to the sum over `dblock.reference.llada_weights.slots`)."""
+        return validate.llada_params(self.sizes())
+
     def validate(self, source: str = "config") -> "ModelConfig":
         def bad(key: str, value: Any, allowed: str) -> ConfigError:
             return ConfigError(f"{source}: unsupported {key}={value!r} (allowed: {allowed})")
 
         if self.family not in ("llada2_moe", "llada_moe"):
             raise bad("family", self.family, "llada2_moe, llada_moe")
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "block_size"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or v <= 0:
-                raise bad(key, v, "a positive integer")
+        validate.check_fields(self, LLADA_FIELDS, source)   # typed, finite, in range
+        # before anything that could scale with the sizes
+        validate.check_plausible(source, self.sizes(), validate.llada_params, validate.llada_tensors,
+                                 validate.LLADA_SIZE_KEYS)
+        if self.hidden_size % self.num_attention_heads:
+            raise bad("num_attention_heads", self.num_attention_heads,
+                      f"a divisor of hidden_size={self.hidden_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise bad("num_key_value_heads", self.num_key_value_heads,
                       f"a divisor of num_attention_heads={self.num_attention_heads}")
@@ -119,6 +167,8 @@ class ModelConfig:
             raise bad("first_k_dense_replace", self.first_k_dense_replace, f"0..{self.num_hidden_layers}")
         if self.first_k_dense_replace > 0 and self.intermediate_size <= 0:
             raise bad("intermediate_size", self.intermediate_size, "a positive integer when dense layers exist")
+        if self.block_size > self.max_position_embeddings:
+            raise bad("block_size", self.block_size, f"<= max_position_embeddings={self.max_position_embeddings}")
         for key in ("mask_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, key)
             if not 0 <= v < self.vocab_size:
@@ -155,7 +205,8 @@ class ModelConfig:
                 "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
                 "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
                 "expert_intermediate_size": self.moe_intermediate_size, "num_experts": self.num_experts,
-                "num_experts_per_tok": self.num_experts_per_tok, "moe_layer_freq": 1,
+                # one 0/1 entry per layer (1 = MoE), as the official config writes it: its model class indexes it
+                "num_experts_per_tok": self.num_experts_per_tok, "moe_layer_freq": [1] * self.num_hidden_layers,
                 "shared_expert_intermediate_size": None, "partial_rotary_factor": self.partial_rotary_factor,
                 "rope_theta": self.rope_theta, "qk_layernorm": self.use_qk_norm,
                 "moe_router_enable_expert_bias": self.use_expert_bias,
@@ -181,7 +232,7 @@ def _token_ids(d: dict, source: str) -> dict:
     for key, default in defaults.items():
         v = d.get(key)
         if isinstance(v, list):  # HF allows a list of eos ids; the first is the one we emit and stop on
-            v = v[0] if v else None
+            v = v[0] if v else None   # (types and ranges: checked by LLADA_KEYS before)
         if v is None and key == "pad_token_id":
             v = out.get("eos_token_id")
         if v is None:
@@ -194,21 +245,29 @@ def _token_ids(d: dict, source: str) -> dict:
 
 
 def llada_config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
+    """A LLaDA config.json's dict -> validated ModelConfig. Every key is checked against the family's table
+    (`LLADA2_KEYS` / `LLADA_MOE_KEYS`: type, finite, range) before it is used; null means the default."""
+    validate.require_object(d, source)
     model_type = d.get("model_type")
-    family = _MODEL_TYPE_TO_FAMILY.get(model_type)
+    family = _MODEL_TYPE_TO_FAMILY.get(model_type) if isinstance(model_type, str) else None
     if family not in ("llada2_moe", "llada_moe"):
         raise ConfigError(f"{source}: unknown model_type {model_type!r} "
                           f"(allowed: {', '.join(sorted(_MODEL_TYPE_TO_FAMILY))})")
+    validate.check_keys(d, LLADA2_KEYS if family == "llada2_moe" else LLADA_MOE_KEYS, source)
     req = lambda k: _require(d, k, source)  # noqa: E731
+    opt = lambda k, default: validate.opt(d, k, default)  # noqa: E731
     hidden, heads = req("hidden_size"), req("num_attention_heads")
-    head_dim = d.get("head_dim") or hidden // heads
+    if d.get("head_dim") is None and hidden % heads:
+        raise ConfigError(f"{source}: unsupported num_attention_heads={heads!r} (allowed: a divisor of "
+                          f"hidden_size={hidden} when head_dim is not given)")
     common = dict(
         vocab_size=req("vocab_size"), hidden_size=hidden, num_hidden_layers=req("num_hidden_layers"),
-        num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads, head_dim=head_dim,
-        rope_theta=float(d.get("rope_theta", 10000.0)), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0) or 1.0),
-        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-        block_size=int(d.get("block_size", 32)), model_type=model_type, extra=dict(d),
+        num_attention_heads=heads, num_key_value_heads=opt("num_key_value_heads", heads),
+        head_dim=opt("head_dim", hidden // heads),
+        rope_theta=float(opt("rope_theta", 10000.0)), rms_norm_eps=float(opt("rms_norm_eps", 1e-6)),
+        partial_rotary_factor=float(opt("partial_rotary_factor", 1.0)),
+        max_position_embeddings=opt("max_position_embeddings", 32768),
+        block_size=opt("block_size", 32), model_type=model_type, extra=dict(d),
         **_token_ids(d, source),
     )
     if d.get("tie_word_embeddings", False):
@@ -226,56 +285,66 @@ def llada_config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{source}: unsupported rope_scaling={rope_scaling!r} (allowed: null)")
 
     if family == "llada2_moe":
-        score = d.get("score_function", "sigmoid")
+        score = opt("score_function", "sigmoid")
         if score != "sigmoid":
             # the HF LLaDA2 gate ignores this key and always uses sigmoid; refuse a value we would silently ignore
             raise ConfigError(f"{source}: unsupported score_function={score!r} (allowed: sigmoid for llada2_moe)")
         cfg = ModelConfig(
             family=family, intermediate_size=req("intermediate_size"),
             moe_intermediate_size=req("moe_intermediate_size"), num_experts=req("num_experts"),
-            num_experts_per_tok=req("num_experts_per_tok"), num_shared_experts=int(d.get("num_shared_experts") or 0),
-            first_k_dense_replace=int(d.get("first_k_dense_replace", 0)), n_group=int(d.get("n_group") or 1),
-            topk_group=int(d.get("topk_group") or 1),
-            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)), score_function="sigmoid",
-            use_expert_bias=bool(d.get("moe_router_enable_expert_bias", True)),
+            num_experts_per_tok=req("num_experts_per_tok"), num_shared_experts=opt("num_shared_experts", 0),
+            first_k_dense_replace=opt("first_k_dense_replace", 0), n_group=opt("n_group", 1),
+            topk_group=opt("topk_group", 1),
+            routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)), score_function="sigmoid",
+            use_expert_bias=opt("moe_router_enable_expert_bias", True),
             # HF LLaDA2MoeGate always renormalises when top_k > 1, whatever norm_topk_prob says
-            norm_topk_prob=True, use_qk_norm=bool(d.get("use_qk_norm", True)), **common)
+            norm_topk_prob=True, use_qk_norm=opt("use_qk_norm", True), **common)
     else:
-        freq = d.get("moe_layer_freq", 1)
-        if not (freq == 1 or (isinstance(freq, list) and all(f == 1 for f in freq))):
-            raise ConfigError(f"{source}: unsupported moe_layer_freq={freq!r} (allowed: 1, every layer MoE)")
+        # moe_layer_freq: the int 1 (older copies) or the official list, one 0/1 entry per layer (1 = MoE)
+        freq, layers = d.get("moe_layer_freq", 1), d.get("num_hidden_layers")
+        if isinstance(freq, list) and (len(freq) != layers or any(type(f) is not int or f not in (0, 1)
+                                                                   for f in freq)):
+            raise ConfigError(f"{source}: malformed moe_layer_freq={freq!r} (allowed: 1, or a list of "
+                              f"num_hidden_layers={layers} entries, each 0 or 1)")
+        if not (freq == 1 and type(freq) is int or isinstance(freq, list) and all(freq)):
+            raise ConfigError(f"{source}: unsupported moe_layer_freq={freq!r} (allowed: 1 or a list of 1s, every "
+                              "layer MoE)")
         if d.get("shared_expert_intermediate_size"):
             raise ConfigError(f"{source}: unsupported shared_expert_intermediate_size="
                               f"{d['shared_expert_intermediate_size']!r} (allowed: null for llada_moe)")
-        moe_inter = d.get("expert_intermediate_size") or d.get("moe_intermediate_size")
-        if not moe_inter:
+        moe_inter = opt("expert_intermediate_size", d.get("moe_intermediate_size"))
+        if moe_inter is None:
             raise ConfigError(f"{source}: missing key 'expert_intermediate_size'")
         cfg = ModelConfig(
-            family=family, intermediate_size=int(d.get("dense_intermediate_size") or 0),
-            moe_intermediate_size=int(moe_inter), num_experts=req("num_experts"),
+            family=family, intermediate_size=opt("dense_intermediate_size", 0),
+            moe_intermediate_size=moe_inter, num_experts=req("num_experts"),
             num_experts_per_tok=req("num_experts_per_tok"), num_shared_experts=0, first_k_dense_replace=0,
             n_group=1, topk_group=1, routed_scaling_factor=1.0, score_function="softmax",
-            use_expert_bias=bool(d.get("moe_router_enable_expert_bias", False)), norm_topk_prob=False,
-            use_qk_norm=bool(d.get("qk_layernorm", d.get("use_qk_norm", True))), **common)
+            use_expert_bias=opt("moe_router_enable_expert_bias", False), norm_topk_prob=False,
+            use_qk_norm=opt("qk_layernorm", opt("use_qk_norm", True)), **common)
     return cfg.validate(source)
 
 
-def read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+def read_json(path: str) -> Any:
+    """The parsed JSON of `path` (any JSON value: callers that need an object check it, naming the file)."""
+    return validate.read_json(path)
 
 
 def family_of(d: dict, source: str = "config.json") -> str:
+    validate.require_object(d, source)
     mt = d.get("model_type")
-    fam = _MODEL_TYPE_TO_FAMILY.get(mt)
+    fam = _MODEL_TYPE_TO_FAMILY.get(mt) if isinstance(mt, str) else None
     if fam is None:
         raise ConfigError(f"{source}: unknown model_type {mt!r} (allowed: {', '.join(sorted(_MODEL_TYPE_TO_FAMILY))})")
     return fam
+
+
+# family -> its config.json reader, (dict, source) -> validated config
+CONFIG_READERS = {
+    "llada2_moe": llada_config_from_dict,
+    "llada_moe": llada_config_from_dict,
+    "diffusion_gemma": GemmaConfig.from_hf_dict,
+}
 
 
 def load_config(folder_or_file: str):
@@ -284,11 +353,7 @@ def load_config(folder_or_file: str):
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     d = read_json(path)
-    fam = family_of(d, path)
-    if fam == "diffusion_gemma":
-        from dblock.reference.gemma import GemmaConfig  # lazy: keeps config.py free of model imports
-        return GemmaConfig.from_hf_dict(d, path)
-    return llada_config_from_dict(d, path)
+    return CONFIG_READERS[family_of(d, path)](d, path)
 
 
 @dataclass
@@ -308,6 +373,27 @@ class DecodeConfig:
     temperature: tuple = (0.8, 0.4)  # (t_max, t_min): T = t_min + (t_max - t_min) * n / N, n = steps remaining
     stability: int = 1               # stop when the argmax canvas equals the previous `stability` ones ...
     confidence: float = 0.005        # ... and the mean entropy is below this (e_stop)
+    # masked rules: upstream parity options (docs/algorithms.md §2.1, §2.5)
+    threshold_inclusive: bool = False  # True: commit at conf >= tau (dblock's earlier rule); False: conf > tau (upstream)
+    threshold_steps: int | None = None  # LLaDA2.0 `steps`: each pass commits at least the quota k_s (C split over S)
+    mask_policy: str = "exclude"     # "exclude" | "official" | "ineligible": may the MASK id be predicted (§2.5)
+    # masked-family token sampler (docs/algorithms.md §2.4); a Request may carry its own (Request.sampling)
+    sampling_temperature: float = 0.0  # 0 = greedy (argmax); > 0 samples from softmax(z / T) after top-k, top-p
+    top_p: float = 1.0               # nucleus filter (1 = off)
+    top_k: int = 0                   # top-k filter (0 = off)
+    # stop conditions, both families (docs/algorithms.md §2.6); token ids (the text layer tokenizes strings)
+    stop_token_ids: tuple = ()       # more ids that end generation like EOS
+    stop: tuple = ()                 # token-id sequences ending generation at their first occurrence (kept)
+    min_tokens: int = 0              # EOS / stop ids suppressed on the first min_tokens generated positions
+    ignore_eos: bool = False         # EOS does not end generation; decode up to max_new_tokens
+    n: int = 1                       # generate(): n samples per prompt, seeds seed, seed+1, ... (prompt-major)
+
+    def sampling_params(self):
+        """The batch's per-request defaults as `dblock.decoding.params.SamplingParams`."""
+        from dblock.decoding.params import SamplingParams
+        return SamplingParams(temperature=self.sampling_temperature, top_p=self.top_p, top_k=self.top_k,
+                              stop_token_ids=self.stop_token_ids, stop=self.stop, min_tokens=self.min_tokens,
+                              ignore_eos=self.ignore_eos)
 
     @property
     def n_steps(self) -> int:
@@ -333,6 +419,35 @@ class DecodeConfig:
             raise ConfigError(f"temperature={self.temperature}: give two positive values t_max,t_min")
         if self.stability < 0 or self.confidence < 0:
             raise ConfigError(f"stability={self.stability}, confidence={self.confidence}: must be >= 0")
+        import math
+        for key in ("entropy_bound", "confidence", "threshold"):
+            if not math.isfinite(getattr(self, key)):
+                raise ConfigError(f"{key}={getattr(self, key)}: must be finite")
+        if not all(math.isfinite(t) for t in self.temperature):
+            raise ConfigError(f"temperature={self.temperature}: give two finite positive values t_max,t_min")
+        from dblock.decoding import params as P
+        P.check_bool("threshold_inclusive", self.threshold_inclusive)
+        if self.threshold_steps is not None:
+            if not P.is_int(self.threshold_steps) or self.threshold_steps <= 0:
+                raise ConfigError(f"threshold_steps={self.threshold_steps!r}: allowed a positive integer or None")
+            if self.rule != "threshold":
+                raise ConfigError(f"threshold_steps={self.threshold_steps}: the threshold rule's LLaDA2.0 quota; "
+                                  f"rule={self.rule!r} (allowed with rule=threshold)")
+        if self.mask_policy not in P.MASK_POLICIES:
+            raise ConfigError(f"mask_policy={self.mask_policy!r}: allowed {', '.join(P.MASK_POLICIES)}")
+        P.check_temperature("sampling_temperature", self.sampling_temperature)
+        P.check_top_p("top_p", self.top_p)
+        P.check_top_k("top_k", self.top_k)
+        self.stop_token_ids = P.token_ids("stop_token_ids", self.stop_token_ids)
+        self.stop = P.stop_sequences("stop", self.stop)
+        P.check_nonneg_int("min_tokens", self.min_tokens)
+        if self.min_tokens > self.max_new_tokens:
+            raise ConfigError(f"min_tokens={self.min_tokens}: allowed 0..max_new_tokens={self.max_new_tokens}")
+        P.check_bool("ignore_eos", self.ignore_eos)
+        if not P.is_int(self.n) or self.n < 1:
+            raise ConfigError(f"n={self.n!r}: allowed an integer >= 1")
+        if not P.is_int(self.seed):
+            raise ConfigError(f"seed={self.seed!r}: allowed an integer")
         return self
 
     def replace(self, **kw) -> "DecodeConfig":

@@ -19,6 +19,11 @@ class WeightsError(DblockError, ValueError):
     """A checkpoint folder whose tensors do not match its config: missing/unexpected key, shape, dtype, truncation."""
 
 
+class OutputExistsError(DblockError, FileExistsError):
+    """An output folder that is not empty (or not a folder): refused before anything is written, unless the caller
+    asked to replace it (`overwrite=True`, `--overwrite`)."""
+
+
 class TaskError(DblockError, ValueError):
     """A synthetic task name, split or problem that does not exist."""
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 import math
 import os
 
+from safetensors import safe_open
+
 from dblock.config import load_config
-from dblock.weights import _family_io, _shard_files, resolve_model_path
+from dblock.weights import expected, resolve_model_path, shard_files
 
 _BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "U8": 1}
 
 
 def param_counts(cfg) -> dict:
     """Total parameters, and parameters active for one token (routed experts: only K of E per MoE layer)."""
-    shapes = _family_io(cfg.family).expected(cfg)
+    shapes = expected(cfg)
     total = sum(math.prod(s) for s in shapes.values())
     expert = sum(math.prod(s) for k, s in shapes.items() if ".experts." in k and ("_proj" in k))
     fused = sum(math.prod(s) for k, s in shapes.items() if k.endswith(("experts.gate_up_proj", "experts.down_proj")))
@@ -28,10 +30,8 @@ def param_counts(cfg) -> dict:
 def model_info(name_or_path: str) -> dict:
     folder = resolve_model_path(name_or_path)
     cfg = load_config(folder)
-    from safetensors import safe_open
-
     nbytes, dtypes = 0, {}
-    for f in sorted(set(_shard_files(folder).values())):
+    for f in sorted(set(shard_files(folder).values())):
         with safe_open(f, "pt") as h:
             for k in h.keys():
                 sl = h.get_slice(k)

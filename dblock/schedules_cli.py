@@ -4,9 +4,11 @@ from __future__ import annotations
 import json
 import os
 
+from dblock.cli_args import (add_decode_args, add_executor_args, add_model_args, decode_config, load_model,
+                             load_tokenizer, make_forward)
+
 
 def add_parser(sub) -> None:
-    from dblock.cli import add_decode_args, add_executor_args, add_model_args
     p = sub.add_parser("compare-schedules", help="every schedule on the same prompts and seeds (OBA paper tables)",
                        description=__doc__)
     add_model_args(p)
@@ -25,10 +27,10 @@ def add_parser(sub) -> None:
     p.add_argument("--progress", action="store_true", help="show progress bars")
     add_decode_args(p)
     add_executor_args(p)
+    p.set_defaults(_run=run)
 
 
 def _prompts(args, model):
-    from dblock.cli import load_tokenizer
     tok = load_tokenizer(model)
     if args.task:
         from dblock.tasks import answer_text, get_task
@@ -66,8 +68,7 @@ def _prompts(args, model):
     return prompts, None
 
 
-def main(args) -> int:
-    from dblock.cli import decode_config, load_model, make_forward
+def run(args) -> int:
     from dblock.compare import DEFAULT_SCHEDULES, compare_schedules, format_table
 
     model = load_model(args)

@@ -1,212 +1,197 @@
 """Local Hugging Face folders <-> models. Never touches the network.
 
+A model is named by a bundled checkpoint's name, a folder, or a Hugging Face id (`org/name[@revision]`) already in
+the local Hugging Face cache (`resolve_model_path`); nothing is ever downloaded.
+
 A model folder holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`. Everything is validated before any tensor is used: unknown model_type, unsupported
 config value, missing or unexpected key, wrong shape, unreadable or truncated file, NaN/Inf in a weight -> one
-`WeightsError` naming the file and key.
+`WeightsError` naming the file and key. Keys real checkpoints carry that dblock never uses (`IGNORED`) are skipped.
 
-Families register a `FamilyIO` (expected HF keys and shapes, HF tensors -> model, model -> HF tensors). The LLaDA
-families are here; DiffusionGemma registers from `dblock.reference.gemma`.
+Each family maps its HF names onto its model once (`Family.slots`, dblock/families.py): that map gives the keys a
+folder must hold, where each tensor goes on load and what `save` writes. Loading streams: every file is opened with
+safetensors' `safe_open` and each tensor goes straight to its place in the model (a routed expert into its row of
+one preallocated (E, ...) stack), so the peak is about the model plus the tensor being read.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import secrets
 import shutil
-import tempfile
-from dataclasses import dataclass
-from typing import Callable, Optional
+import sys
+from typing import Optional
 
+import safetensors.torch
 import torch
+from safetensors import safe_open
 
-from dblock.errors import WeightsError
-from dblock.config import ConfigError, ModelConfig, family_of, load_config, read_json
+from dblock.config import ConfigError, family_of, load_config, read_json
+from dblock.errors import OutputExistsError, WeightsError
+from dblock.families import FAMILIES
 
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
 
-
-@dataclass
-class FamilyIO:
-    expected: Callable[[object], dict]              # cfg -> {hf_key: shape}; optional keys end with "?"
-    build: Callable[[object, dict], torch.nn.Module]  # (cfg, {hf_key: tensor}) -> model with weights
-    export: Callable[[torch.nn.Module], dict]       # model -> {hf_key: tensor}
-
-
-FAMILY_IO: dict[str, FamilyIO] = {}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# LLaDA families: HF names <-> LladaModel parameters
-# ---------------------------------------------------------------------------------------------------------------
-
-def _llada_names(cfg: ModelConfig) -> dict:
-    """Prefixes of the two HF layouts."""
-    if cfg.family == "llada2_moe":
-        return dict(embed="model.word_embeddings.weight", attn="attention", qkv=("query_key_value",),
-                    q_norm="query_layernorm", k_norm="key_layernorm", o="dense",
-                    bias="mlp.gate.expert_bias", shared="mlp.shared_experts")
-    return dict(embed="model.embed_tokens.weight", attn="self_attn", qkv=("q_proj", "k_proj", "v_proj"),
-                q_norm="q_norm", k_norm="k_norm", o="o_proj", bias="mlp.expert_bias", shared=None)
-
-
-def llada_expected(cfg: ModelConfig) -> dict:
-    n = _llada_names(cfg)
-    H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
-    E, I = cfg.num_experts, cfg.moe_intermediate_size
-    shapes = {n["embed"]: (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (H,)
-        shapes[p + "post_attention_layernorm.weight"] = (H,)
-        a = p + n["attn"] + "."
-        if len(n["qkv"]) == 1:
-            shapes[a + "query_key_value.weight"] = (nq + 2 * nkv, H)
-        else:
-            shapes[a + "q_proj.weight"], shapes[a + "k_proj.weight"], shapes[a + "v_proj.weight"] = \
-                (nq, H), (nkv, H), (nkv, H)
-        if cfg.use_qk_norm:
-            shapes[a + n["q_norm"] + ".weight"] = (D,)
-            shapes[a + n["k_norm"] + ".weight"] = (D,)
-        shapes[a + n["o"] + ".weight"] = (H, nq)
-        if not cfg.is_moe_layer(i):
-            Id = cfg.intermediate_size
-            shapes.update({p + "mlp.gate_proj.weight": (Id, H), p + "mlp.up_proj.weight": (Id, H),
-                           p + "mlp.down_proj.weight": (H, Id)})
-            continue
-        shapes[p + "mlp.gate.weight"] = (E, H)
-        if cfg.use_expert_bias:
-            shapes[p + n["bias"]] = (E,)
-        for j in range(E):
-            e = p + f"mlp.experts.{j}."
-            shapes.update({e + "gate_proj.weight": (I, H), e + "up_proj.weight": (I, H),
-                           e + "down_proj.weight": (H, I)})
-        if cfg.num_shared_experts:
-            Is = I * cfg.num_shared_experts
-            s = p + n["shared"] + "."
-            shapes.update({s + "gate_proj.weight": (Is, H), s + "up_proj.weight": (Is, H),
-                           s + "down_proj.weight": (H, Is)})
-    return shapes
-
-
-def llada_build(cfg: ModelConfig, t: dict) -> torch.nn.Module:
-    from dblock.reference.llada import LladaModel
-
-    n = _llada_names(cfg)
-    with torch.device("meta"):
-        model = LladaModel(cfg)
-    sd = {"embed.weight": t[n["embed"]], "norm.weight": t["model.norm.weight"], "lm_head.weight": t["lm_head.weight"]}
-    for i in range(cfg.num_hidden_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        a = p + n["attn"] + "."
-        sd[q + "attn_norm.weight"] = t[p + "input_layernorm.weight"]
-        sd[q + "mlp_norm.weight"] = t[p + "post_attention_layernorm.weight"]
-        if len(n["qkv"]) == 1:
-            sd[q + "attn.wqkv.weight"] = t[a + "query_key_value.weight"]
-        else:  # rows Q, K, V: the same fused layout as LLaDA2
-            sd[q + "attn.wqkv.weight"] = torch.cat([t[a + k + ".weight"] for k in n["qkv"]], dim=0)
-        if cfg.use_qk_norm:
-            sd[q + "attn.q_norm.weight"] = t[a + n["q_norm"] + ".weight"]
-            sd[q + "attn.k_norm.weight"] = t[a + n["k_norm"] + ".weight"]
-        sd[q + "attn.wo.weight"] = t[a + n["o"] + ".weight"]
-        if not cfg.is_moe_layer(i):
-            for w in ("gate", "up", "down"):
-                sd[q + f"mlp.{w}.weight"] = t[p + f"mlp.{w}_proj.weight"]
-            continue
-        sd[q + "mlp.gate.weight"] = t[p + "mlp.gate.weight"]
-        if cfg.use_expert_bias:
-            sd[q + "mlp.expert_bias"] = t[p + n["bias"]].float()
-        for w in ("gate", "up", "down"):
-            sd[q + f"mlp.w_{w}"] = torch.stack([t[p + f"mlp.experts.{j}.{w}_proj.weight"]
-                                                for j in range(cfg.num_experts)])
-        if cfg.num_shared_experts:
-            for w in ("gate", "up", "down"):
-                sd[q + f"mlp.shared.{w}.weight"] = t[p + n["shared"] + f".{w}_proj.weight"]
-    model.load_state_dict(sd, strict=True, assign=True)
-    return model.eval()
-
-
-def llada_export(model) -> dict:
-    cfg = model.config
-    n = _llada_names(cfg)
-    sd = model.state_dict()
-    out = {n["embed"]: sd["embed.weight"], "model.norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
-    nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    for i in range(cfg.num_hidden_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        a = p + n["attn"] + "."
-        out[p + "input_layernorm.weight"] = sd[q + "attn_norm.weight"]
-        out[p + "post_attention_layernorm.weight"] = sd[q + "mlp_norm.weight"]
-        wqkv = sd[q + "attn.wqkv.weight"]
-        if len(n["qkv"]) == 1:
-            out[a + "query_key_value.weight"] = wqkv
-        else:
-            for k, part in zip(n["qkv"], wqkv.split([nq, nkv, nkv], dim=0)):
-                out[a + k + ".weight"] = part
-        if cfg.use_qk_norm:
-            out[a + n["q_norm"] + ".weight"] = sd[q + "attn.q_norm.weight"]
-            out[a + n["k_norm"] + ".weight"] = sd[q + "attn.k_norm.weight"]
-        out[a + n["o"] + ".weight"] = sd[q + "attn.wo.weight"]
-        if not cfg.is_moe_layer(i):
-            for w in ("gate", "up", "down"):
-                out[p + f"mlp.{w}_proj.weight"] = sd[q + f"mlp.{w}.weight"]
-            continue
-        out[p + "mlp.gate.weight"] = sd[q + "mlp.gate.weight"]
-        if cfg.use_expert_bias:
-            out[p + n["bias"]] = sd[q + "mlp.expert_bias"].float()
-        for w in ("gate", "up", "down"):
-            for j in range(cfg.num_experts):
-                out[p + f"mlp.experts.{j}.{w}_proj.weight"] = sd[q + f"mlp.w_{w}"][j]
-        if cfg.num_shared_experts:
-            for w in ("gate", "up", "down"):
-                out[p + n["shared"] + f".{w}_proj.weight"] = sd[q + f"mlp.shared.{w}.weight"]
-    return out
-
-
-FAMILY_IO["llada2_moe"] = FAMILY_IO["llada_moe"] = FamilyIO(llada_expected, llada_build, llada_export)
-
-
-def _family_io(family: str) -> FamilyIO:
-    if family == "diffusion_gemma" and family not in FAMILY_IO:
-        import dblock.reference.gemma  # noqa: F401  (registers its FamilyIO)
-    return FAMILY_IO[family]
+# HF keys real checkpoints carry that dblock never uses: skipped when loading (not an error), never written.
+IGNORED = [
+    # multi-token-prediction heads (`model.mtp*`, or `mtp.*` where a converter put them at the top level): a
+    # training aid; dblock decodes with the main LM head only
+    re.compile(r"^model\.mtp"),
+    re.compile(r"^mtp\."),
+    # RoPE inverse frequencies that older exports saved as a buffer; dblock computes them from the config
+    re.compile(r"(^|\.)rotary_emb\.inv_freq$"),
+]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reading and validating a folder
 # ---------------------------------------------------------------------------------------------------------------
 
+def bundled_models() -> list:
+    """Names of the checkpoints shipped inside the package (dblock/checkpoints/<name>/config.json)."""
+    if not os.path.isdir(CHECKPOINTS_DIR):
+        return []
+    return sorted(d for d in os.listdir(CHECKPOINTS_DIR) if os.path.isfile(os.path.join(CHECKPOINTS_DIR, d,
+                                                                                          "config.json")))
+
+
+# `org/name` or `org/name@revision` (a branch, a tag or a commit hash), as the Hub spells repository ids
+_HF_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?$")
+
+
+def hf_cache_dir() -> str:
+    """The Hugging Face hub cache, from the environment at call time (huggingface_hub reads it once, at import):
+    HF_HUB_CACHE, else HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    env = os.environ
+    path = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if not path:
+        home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"),
+                                                  "huggingface")
+        path = os.path.join(home, "hub")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def hf_cached_snapshot(repo_id: str, revision: Optional[str] = None, cache_dir: Optional[str] = None) -> Optional[str]:
+    """The snapshot folder of `repo_id` at `revision` (default `main`) in the local Hugging Face cache, or None.
+
+    Local only: `huggingface_hub.snapshot_download(..., local_files_only=True)`, which never opens a connection
+    (nor does HF_HUB_OFFLINE change that); without huggingface_hub installed, the same cache layout is read
+    directly (`models--org--name/refs/<revision>` -> `snapshots/<commit>/`). A snapshot the cache knows to be
+    incomplete is a WeightsError."""
+    cache_dir = cache_dir or hf_cache_dir()
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:
+        snapshot_download = None
+    if snapshot_download is not None:
+        try:
+            folder = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True)
+        except (LocalEntryNotFoundError, HFValidationError):   # not cached; not a valid id
+            return None
+        except Exception as e:    # an incomplete snapshot, an unreadable cache: say so, never retry online
+            raise WeightsError(f"{repo_id}: local Hugging Face cache {cache_dir}: {type(e).__name__}: {e}") \
+                from None
+        return folder if os.path.isdir(folder) else None
+    storage = os.path.join(cache_dir, "models--" + repo_id.replace("/", "--"))
+    rev = revision or "main"
+    commit = rev
+    ref = os.path.join(storage, "refs", rev)
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            commit = f.read().strip()
+    folder = os.path.join(storage, "snapshots", commit)
+    return folder if os.path.isdir(folder) else None
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """A folder path, or the name of a bundled checkpoint (`tiny-masked`, `tiny-uniform`)."""
+    """The folder a model name stands for, looked up in this order: a bundled checkpoint (`tiny-masked`,
+    `tiny-uniform`), an existing local folder, a Hugging Face id `org/name` (optionally `org/name@revision`) in the
+    local Hugging Face cache (HF_HUB_CACHE / HF_HOME; see `hf_cache_dir`). dblock never downloads: anything else is
+    one WeightsError saying where it looked."""
+    bundled = bundled_models()
+    if name_or_path in bundled:
+        return os.path.join(CHECKPOINTS_DIR, name_or_path)
     if os.path.isdir(name_or_path):
         return name_or_path
-    bundled = os.path.join(CHECKPOINTS_DIR, name_or_path)
-    if os.path.isdir(bundled):
-        return bundled
-    names = sorted(d for d in os.listdir(CHECKPOINTS_DIR) if os.path.isfile(os.path.join(CHECKPOINTS_DIR, d,
-                                                                                          "config.json"))) \
-        if os.path.isdir(CHECKPOINTS_DIR) else []
-    raise WeightsError(f"{name_or_path}: no such model folder, and not a bundled model "
-                       f"(bundled: {', '.join(names) or 'none'})")
+    cache_dir = hf_cache_dir()
+    m = _HF_ID.match(name_or_path)
+    if m:
+        folder = hf_cached_snapshot(m["repo"], m["rev"], cache_dir)
+        if folder is not None:
+            if not os.path.isfile(os.path.join(folder, "config.json")):
+                raise WeightsError(f"{name_or_path}: the local Hugging Face cache has a snapshot ({folder}) but "
+                                   "no config.json in it (an incomplete download?)")
+            return folder
+    if m:
+        at = f" at revision {m['rev']!r}" if m["rev"] else ""
+        where, repo = f"not in the local Hugging Face cache {cache_dir}{at}", m["repo"]
+    else:
+        where, repo = (f"not a Hugging Face id of the form org/name (those are looked up in the local cache "
+                       f"{cache_dir})"), "org/name"
+    raise WeightsError(f"{name_or_path}: no such model folder, not a bundled model (bundled: "
+                       f"{', '.join(bundled) or 'none'}), and {where}. dblock never downloads: on a connected "
+                       f"machine run `huggingface-cli download {repo}` (then point HF_HOME or HF_HUB_CACHE at that "
+                       "cache), or pass the model folder")
 
 
-def _shard_files(folder: str) -> dict:
-    """{hf_key: file} from the index, or from the single model.safetensors."""
-    from safetensors import safe_open
+def _allowed_roots(folder: str) -> list:
+    """Real paths the files of `folder` may resolve into: the folder itself and, for a Hugging Face cache snapshot
+    (`models--org--name/snapshots/<commit>/`, whose files are symlinks into `../../blobs/`), that repository's
+    `blobs/` folder."""
+    root = os.path.realpath(folder)
+    roots = [root]
+    parent = os.path.dirname(root)
+    if os.path.basename(parent) == "snapshots":
+        blobs = os.path.join(os.path.dirname(parent), "blobs")
+        if os.path.isdir(blobs):
+            roots.append(os.path.realpath(blobs))
+    return roots
 
+
+def _inside(path: str, roots: list) -> bool:
+    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def confined_path(folder: str, name, what: str) -> str:
+    """folder/name for a file the folder's own metadata names (`what` says where, for the message): a WeightsError
+    unless `name` is a relative path inside the folder that does not leave it through '..', an absolute path or a
+    symlink. Checked before the file is opened or even tested for existence."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise WeightsError(f"{what}: {name!r} is not a file name")
+    parts = re.split(r"[\\/]", name)
+    if os.path.isabs(name) or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        raise WeightsError(f"{what}: {name!r} is an absolute path; shards must lie inside the model folder {folder}")
+    if ".." in parts:
+        raise WeightsError(f"{what}: {name!r} leaves the model folder {folder} ('..')")
+    path = os.path.join(folder, name)
+    real = os.path.realpath(path)
+    if not _inside(real, _allowed_roots(folder)):
+        raise WeightsError(f"{what}: {name!r} is a symlink to {real}, outside the model folder {folder}")
+    return path
+
+
+def shard_files(folder: str) -> dict:
+    """{hf_key: file} from the index, or from the single model.safetensors; the index and the shards must agree.
+    Every file must lie inside `folder` (`confined_path`): an index naming '../x.safetensors', an absolute path or
+    a symlink out of the folder is a WeightsError naming the index and the entry, before anything is read."""
     index = os.path.join(folder, "model.safetensors.index.json")
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(index):
         d = read_json(index)
-        wmap = d.get("weight_map")
+        wmap = d.get("weight_map") if isinstance(d, dict) else None
         if not isinstance(wmap, dict):
             raise WeightsError(f"{index}: no 'weight_map' object")
-        files = {}
-        for f in sorted(set(wmap.values())):
-            path = os.path.join(folder, f)
-            if not os.path.isfile(path):
+        files, paths = {}, {}
+        for k, f in wmap.items():   # every entry confined before any shard is looked at
+            if not isinstance(f, str) or f not in paths:
+                paths[f] = confined_path(folder, f, f"{index}: weight_map entry {k!r}")
+        for f in sorted(paths):
+            if not os.path.isfile(paths[f]):
                 raise WeightsError(f"{index}: shard {f!r} listed but missing")
-        key_file = {k: os.path.join(folder, f) for k, f in wmap.items()}
+        key_file = {k: paths[f] for k, f in wmap.items()}
         # every key of every shard must be in the index, and vice versa
         for f in sorted(set(key_file.values())):
             try:
@@ -222,6 +207,7 @@ def _shard_files(folder: str) -> dict:
             files.update({k: f for k in keys})
         return files
     if os.path.isfile(single):
+        confined_path(folder, "model.safetensors", single)
         try:
             with safe_open(single, "pt") as h:
                 return {k: single for k in h.keys()}
@@ -230,44 +216,109 @@ def _shard_files(folder: str) -> dict:
     raise WeightsError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def read_tensors(folder: str, expected: dict, dtype=None, device=None) -> dict:
-    """Read and validate every expected tensor; keys in `expected` ending with '?' are optional."""
-    from safetensors import safe_open
+def expected(cfg) -> dict:
+    """{hf_key: shape} a folder of this config must hold. Keys ending '?' are optional: the carried tensors (a vision
+    tower) found in the folder the config was read from, with their stored shapes."""
+    fam = FAMILIES[cfg.family]
+    shapes = {k: s.shape for k, s in fam.slots(cfg).items()}
+    shapes.update(_carried_shapes(fam.carry, getattr(cfg, "source", "")))
+    return shapes
 
-    key_file = _shard_files(folder)
-    required = {k for k in expected if not k.endswith("?")}
-    optional = {k[:-1] for k in expected if k.endswith("?")}
-    shapes = {k.rstrip("?"): s for k, s in expected.items()}
+
+def _carried_shapes(prefixes: tuple, source: str) -> dict:
+    if not prefixes or not source:
+        return {}
+    try:
+        key_file = shard_files(os.path.dirname(source))
+    except WeightsError:
+        return {}  # stream_tensors reports the folder's problem itself
+    out = {}
+    for k, f in key_file.items():
+        if k.startswith(prefixes):
+            with safe_open(f, "pt") as h:
+                out[k + "?"] = tuple(h.get_slice(k).get_shape())
+    return out
+
+
+def _ignored(key: str) -> bool:
+    return any(p.search(key) for p in IGNORED)
+
+
+# a checkpoint loads with a progress bar (one step per shard file) when it has several shards or is this big
+PROGRESS_MIN_BYTES = 100 * 2 ** 20
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _progress_bar(folder: str, files: list, progress: Optional[bool]):
+    """A tqdm bar over the shard files, or None. progress=False: never. Otherwise only for a checkpoint of more
+    than one shard or above PROGRESS_MIN_BYTES, never when TQDM_DISABLE is set, and only when stderr is a terminal
+    unless progress=True or DBLOCK_PROGRESS=1 (DBLOCK_PROGRESS=0 turns it off)."""
+    if progress is False or _env_on("TQDM_DISABLE"):
+        return None
+    env = os.environ.get("DBLOCK_PROGRESS", "").strip()
+    if env and not _env_on("DBLOCK_PROGRESS"):
+        return None
+    if not (progress or env or getattr(sys.stderr, "isatty", lambda: False)()):
+        return None
+    if len(files) < 2 and sum(os.path.getsize(f) for f in files) <= PROGRESS_MIN_BYTES:
+        return None
+    from tqdm import tqdm
+    parts = os.path.normpath(os.path.abspath(folder)).split(os.sep)
+    name = (parts[-3][len("models--"):].replace("--", "/")        # a Hugging Face cache snapshot: org/name
+            if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--") else parts[-1])
+    return tqdm(total=len(files), desc=f"loading {name}", unit="shard", file=sys.stderr, leave=False,
+                disable=False, dynamic_ncols=True)
+
+
+def stream_tensors(folder: str, want: dict, dtype=None, device=None, keep32=frozenset(),
+                   progress: Optional[bool] = None):
+    """Check the folder's keys against `want` ({key: shape}, optional keys end with '?'; see `expected`), then
+    yield (key, tensor) file by file: each tensor checked (shape, floating dtype, finite) and converted as it is
+    read. dtype: None keeps the stored dtype; keys in `keep32` keep theirs whatever dtype says. progress: a bar on
+    stderr, one step per file (None: automatic, see `_progress_bar`; True: also when stderr is not a terminal)."""
+    shapes = {k.rstrip("?"): s for k, s in want.items()}
+    key_file = {k: f for k, f in shard_files(folder).items() if k in shapes or not _ignored(k)}
+    required = {k for k in want if not k.endswith("?")}
+    optional = {k[:-1] for k in want if k.endswith("?")}
     for k in sorted(required - key_file.keys()):
         raise WeightsError(f"{folder}: missing key {k!r}")
     for k in sorted(key_file.keys() - required - optional):
         raise WeightsError(f"{key_file[k]}: unexpected key {k!r}")
-    out = {}
     by_file: dict = {}
     for k, f in key_file.items():
         by_file.setdefault(f, []).append(k)
-    for f, keys in sorted(by_file.items()):
-        try:
-            with safe_open(f, "pt", device="cpu") as h:
-                for k in sorted(keys):
-                    meta = h.get_slice(k)
-                    shape = tuple(meta.get_shape())
-                    if shape != tuple(shapes[k]):
-                        raise WeightsError(f"{f}: key {k!r} has shape {shape}, expected {tuple(shapes[k])}")
-                    t = h.get_tensor(k)
-                    if not t.is_floating_point():
-                        raise WeightsError(f"{f}: key {k!r} has dtype {t.dtype}, expected a floating type")
-                    if not torch.isfinite(t).all():
-                        raise WeightsError(f"{f}: key {k!r} contains NaN or Inf")
-                    keep32 = k.endswith("expert_bias")  # stored and used in fp32
-                    if dtype is not None and not keep32:
-                        t = t.to(dtype)
-                    out[k] = t.to(device) if device is not None else t
-        except WeightsError:
-            raise
-        except Exception as e:  # truncated data, bad offsets: safetensors/torch raise various types
-            raise WeightsError(f"{f}: unreadable safetensors file ({type(e).__name__}: {e})") from None
-    return out
+    bar = _progress_bar(folder, sorted(by_file), progress)
+    try:
+        for f, keys in sorted(by_file.items()):
+            if bar is not None:
+                bar.set_postfix_str(os.path.basename(f), refresh=False)
+            try:
+                with safe_open(f, "pt", device="cpu") as h:
+                    for k in sorted(keys):
+                        meta = h.get_slice(k)
+                        shape = tuple(meta.get_shape())
+                        if shape != tuple(shapes[k]):
+                            raise WeightsError(f"{f}: key {k!r} has shape {shape}, expected {tuple(shapes[k])}")
+                        t = h.get_tensor(k)
+                        if not t.is_floating_point():
+                            raise WeightsError(f"{f}: key {k!r} has dtype {t.dtype}, expected a floating type")
+                        if not torch.isfinite(t).all():
+                            raise WeightsError(f"{f}: key {k!r} contains NaN or Inf")
+                        if dtype is not None and k not in keep32:
+                            t = t.to(dtype)
+                        yield k, (t.to(device) if device is not None else t)
+            except WeightsError:
+                raise
+            except Exception as e:  # truncated data, bad offsets: safetensors/torch raise various types
+                raise WeightsError(f"{f}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _dtype(d):
@@ -280,67 +331,248 @@ def _dtype(d):
     return table[d]
 
 
-def load(path_or_name: str, dtype=None, device=None) -> torch.nn.Module:
-    """Load a local HF folder (or a bundled model name) into the family's reference model, validated first.
+# ---------------------------------------------------------------------------------------------------------------
+# Folder -> model, model -> folder
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Assembly:
+    """A model's state dict as its HF tensors stream in. A whole tensor is kept as read; experts and fused rows are
+    copied into one tensor per parameter, allocated when its first piece arrives; a copy (`Slot.copy`) is compared
+    with its parameter once both are in, and dropped."""
+
+    def __init__(self, slots: dict, targets: dict):
+        self.slots, self.targets = slots, targets     # {hf_key: Slot}; {param: meta tensor} (shapes)
+        self.sd: dict = {}                            # param -> tensor
+        self.waiting: dict = {}                       # copies read before their parameter: hf_key -> tensor
+        self.bad: set = set()                         # copies that differ from their parameter
+
+    def put(self, key: str, t: torch.Tensor) -> None:
+        s = self.slots[key]
+        if s.fp32:
+            t = t.float()
+        if s.copy:
+            if s.differs is not None:                 # an unchecked copy feeds nothing: dropped
+                self.waiting[key] = t
+        elif s.index is None:
+            self.sd[s.param] = t
+        else:
+            if s.param not in self.sd:
+                self.sd[s.param] = torch.empty(self.targets[s.param].shape, dtype=t.dtype, device=t.device)
+            self.sd[s.param][s.index] = t
+        if self.waiting:
+            self._compare_waiting()
+
+    def _compare_waiting(self) -> None:
+        for key in [k for k in self.waiting if self.slots[k].param in self.sd]:
+            if not torch.equal(self.waiting.pop(key), self.sd[self.slots[key].param]):
+                self.bad.add(key)
+
+    def state_dict(self, src: str) -> dict:
+        """Every parameter, once all tensors are in; a WeightsError naming the first copy (table order) that
+        differs from its parameter."""
+        self._compare_waiting()
+        for key, s in self.slots.items():
+            if key in self.bad:
+                raise WeightsError(f"{src}: key {key!r} {s.differs}")
+        return self.sd
+
+
+def load(path_or_name: str, dtype=None, device=None, progress: Optional[bool] = None) -> torch.nn.Module:
+    """Load a local HF folder, a bundled model name or a Hugging Face id already in the local cache (see
+    `resolve_model_path`) into the family's reference model, validated first.
 
     dtype: None keeps the stored dtype; "float32"/"bfloat16"/"float64" or a torch dtype converts (expert_bias
-    stays fp32). device: where the weights go ("cpu", "cuda").
+    stays fp32). device: where the weights go ("cpu", "cuda"). progress: a bar per shard file on stderr (None:
+    only for a large or sharded checkpoint on a terminal; see `stream_tensors`).
     """
     folder = resolve_model_path(path_or_name)
     cfg = load_config(folder)
-    io = _family_io(cfg.family)
-    tensors = read_tensors(folder, io.expected(cfg), _dtype(dtype), device)
-    model = io.build(cfg, tensors)
+    fam = FAMILIES[cfg.family]
+    slots = fam.slots(cfg)
+    with torch.device("meta"):
+        model = fam.model_class(cfg)
+    parts, carried = _Assembly(slots, model.state_dict()), {}
+    keep32 = frozenset(k for k, s in slots.items() if s.fp32)
+    for key, t in stream_tensors(folder, expected(cfg), _dtype(dtype), device, keep32, progress):
+        if key in slots:
+            parts.put(key, t)
+        else:
+            carried[key] = t
+    src = os.path.dirname(os.path.join(folder, "config.json"))
+    model.load_state_dict(parts.state_dict(src), strict=True, assign=True)
+    if fam.carry:
+        model.vision_weights = carried
     model.source = folder
-    return model
+    return model.eval()
+
+
+def export(model: torch.nn.Module) -> dict:
+    """model -> {hf_key: tensor} under the family's HF names (copies cloned, carried tensors as they are)."""
+    fam = FAMILIES[model.config.family]
+    sd = model.state_dict()
+    out = {}
+    for key, s in fam.slots(model.config).items():
+        t = sd[s.param] if s.index is None else sd[s.param][s.index]
+        t = t.float() if s.fp32 else t
+        out[key] = t.clone() if s.copy else t
+    if fam.carry:
+        out.update(model.vision_weights)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing a folder: all or nothing
+# ---------------------------------------------------------------------------------------------------------------
+
+STAGE_PREFIX = ".dblock-save-"   # the folder being written, beside the destination
+OLD_PREFIX = ".dblock-old-"      # the replaced folder, for the instant of the swap
+
+
+def check_out_dir(out_dir: str, overwrite: bool = False) -> bool:
+    """Whether `out_dir` exists and holds something. An OutputExistsError when it does and `overwrite` is False, or
+    when it is not a folder; a missing or empty folder is fine."""
+    if not os.path.lexists(out_dir):
+        return False
+    if not os.path.isdir(out_dir):
+        raise OutputExistsError(f"{out_dir}: exists and is not a folder; nothing was written")
+    try:
+        entries = sorted(os.listdir(out_dir))
+    except OSError as e:
+        raise OutputExistsError(f"{out_dir}: output folder cannot be listed ({e.strerror or e}); nothing was "
+                                "written") from None
+    if entries and not overwrite:
+        shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
+        raise OutputExistsError(f"{out_dir}: output folder is not empty (holds {shown}); nothing was written. "
+                                "Give a new or empty folder, or overwrite=True (--overwrite) to replace the whole "
+                                "folder")
+    return bool(entries)
+
+
+def new_dir(parent: str, prefix: str) -> str:
+    """A new folder `parent/prefix<random>` with the usual permissions (mkdtemp's are 0700)."""
+    for _ in range(100):
+        path = os.path.join(parent, prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: no free name for a {prefix}* folder")
+
+
+def publish(tmp: str, out_dir: str, overwrite: bool) -> None:
+    """Put the finished folder `tmp` in `out_dir`'s place: one rename when `out_dir` is missing or empty; when it
+    holds something (overwrite only), out_dir -> a sibling, tmp -> out_dir (the first rename undone if the second
+    fails), then the old folder is deleted. No instant shows a mix of old and new files."""
+    try:
+        os.rename(tmp, out_dir)      # POSIX: replaces a missing or empty folder atomically
+        return
+    except OSError:
+        if not os.path.isdir(out_dir):
+            raise
+    if not os.listdir(out_dir):      # an empty folder rename() would not replace (Windows, a mount point)
+        try:
+            os.rmdir(out_dir)
+        except OSError:              # a mount point: move the files in (the folder was empty, nothing to mix with)
+            for name in sorted(os.listdir(tmp)):
+                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+            return
+        try:
+            os.rename(tmp, out_dir)
+        except BaseException:
+            os.makedirs(out_dir, exist_ok=True)
+            raise
+        return
+    if not overwrite:                # something appeared in out_dir while we wrote
+        check_out_dir(out_dir, overwrite=False)
+    old = new_dir(os.path.dirname(os.path.abspath(out_dir)), OLD_PREFIX)
+    os.rmdir(old)                    # only the unique name was needed
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: str, overwrite: bool = False):
+    """Write a folder all or nothing: yields a new empty folder beside `out_dir` (`.dblock-save-*`); when the block
+    ends normally it takes `out_dir`'s place (`publish`); on any exception it is deleted and `out_dir` is left as it
+    was. `out_dir` must be missing or empty unless `overwrite` (then the whole folder is replaced: no file of the
+    old one survives)."""
+    check_out_dir(out_dir, overwrite)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = new_dir(parent, STAGE_PREFIX)
+    try:
+        if os.path.isdir(out_dir):
+            try:
+                shutil.copymode(out_dir, tmp)
+            except OSError:
+                pass
+        yield tmp
+        publish(tmp, out_dir, overwrite)
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_model(model: torch.nn.Module, folder: str, extra_files: Optional[dict] = None,
+                max_shard_bytes: Optional[int] = None) -> None:
+    """Write config.json + model.safetensors (or shards + index) with HF names, and `extra_files` ({name: str or
+    bytes}), into the existing folder `folder` (a staging folder: `save` is the safe way to write a model)."""
+    for name in extra_files or {}:
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or "\\" in name:
+            raise ConfigError(f"extra_files: {name!r} is not a plain file name")
+    if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool)
+                                        or max_shard_bytes <= 0):
+        raise ConfigError(f"max_shard_bytes={max_shard_bytes!r}: must be a positive integer")
+    save_file = safetensors.torch.save_file   # looked up per call: tests make it fail midway
+    cfg = model.config
+    tensors = {k: v.detach().contiguous().cpu() for k, v in export(model).items()}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2)
+    if max_shard_bytes is None:
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        shards, cur, size = [], {}, 0
+        for k in sorted(tensors):
+            nb = tensors[k].numel() * tensors[k].element_size()
+            if cur and size + nb > max_shard_bytes:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[k] = tensors[k]
+            size += nb
+        shards.append(cur)
+        wmap = {}
+        for i, sh in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(sh, os.path.join(folder, name), metadata={"format": "pt"})
+            wmap.update({k: name for k in sh})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": wmap}, f, indent=2)
+    for name, content in (extra_files or {}).items():
+        mode = "wb" if isinstance(content, bytes) else "w"
+        with open(os.path.join(folder, name), mode) as f:
+            f.write(content)
 
 
 def save(model: torch.nn.Module, out_dir: str, extra_files: Optional[dict] = None,
-         max_shard_bytes: Optional[int] = None) -> None:
-    """Write config.json + model.safetensors (or shards + index) with HF names. Atomic per folder: files are
-    written to a temporary folder beside `out_dir` and moved in only when all of them were written."""
-    from safetensors.torch import save_file
+         max_shard_bytes: Optional[int] = None, overwrite: bool = False) -> None:
+    """Write config.json + model.safetensors (or shards + index) with HF names, plus `extra_files`, as the folder
+    `out_dir`, all or nothing (`staged_folder`): everything is written into a temporary folder beside `out_dir`,
+    which then takes its place; on any failure (a full disk, an interrupt) the temporary folder is deleted and
+    `out_dir` is as it was.
 
-    cfg = model.config
-    tensors = {k: v.detach().contiguous().cpu() for k, v in _family_io(cfg.family).export(model).items()}
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".dblock-save-", dir=parent)
-    try:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg.to_hf_dict(), f, indent=2)
-        if max_shard_bytes is None:
-            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        else:
-            shards, cur, size = [], {}, 0
-            for k in sorted(tensors):
-                nb = tensors[k].numel() * tensors[k].element_size()
-                if cur and size + nb > max_shard_bytes:
-                    shards.append(cur)
-                    cur, size = {}, 0
-                cur[k] = tensors[k]
-                size += nb
-            shards.append(cur)
-            wmap = {}
-            for i, sh in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(sh, os.path.join(tmp, name), metadata={"format": "pt"})
-                wmap.update({k: name for k in sh})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": wmap}, f, indent=2)
-        for name, content in (extra_files or {}).items():
-            mode = "wb" if isinstance(content, bytes) else "w"
-            with open(os.path.join(tmp, name), mode) as f:
-                f.write(content)
-        os.makedirs(out_dir, exist_ok=True)
-        for stale in ("model.safetensors", "model.safetensors.index.json"):
-            if os.path.exists(os.path.join(out_dir, stale)):
-                os.remove(os.path.join(out_dir, stale))
-        for name in os.listdir(tmp):
-            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    `out_dir` must be missing or empty: a folder holding anything is an OutputExistsError before anything is
+    written, unless `overwrite=True`, which replaces the whole folder (no old file -- a tokenizer, other shards --
+    survives beside the new weights)."""
+    check_out_dir(out_dir, overwrite)     # before the (possibly long) export
+    with staged_folder(out_dir, overwrite) as tmp:
+        write_model(model, tmp, extra_files, max_shard_bytes)
 
 
 def model_family(path_or_name: str) -> str:

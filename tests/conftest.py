@@ -1,9 +1,15 @@
-"""Shared test fixtures and the one tolerance table (DESIGN.md "Tests and measurements")."""
+"""Shared test fixtures and the one tolerance table (docs/architecture.md, "Conventions")."""
 import os
 
-import pytest
-import torch
-from hypothesis import settings
+# Triton runs in interpreter mode in the test process (CPU tensors, fp32; see dblock/kernels/__init__.py). Triton fixes
+# the mode when it is imported (torch may import it on its own when a model is built), so the variable is set here,
+# before anything else is imported. Children inherit it; the compiled GPU checks start theirs without it
+# (tests/kernels/test_gpu_bench.py, benchmarks/gpu.py).
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # Hypothesis: reproducible in CI, small budgets (the combinatorial parts are covered by many small cases).
 settings.register_profile("ci", derandomize=True, max_examples=60, deadline=None)

@@ -32,6 +32,10 @@ Decisions where transformers is silent (written here, used by OBA / FlowBlock la
   * promotion keeps what `keep` says and always resets σ: "x" dropped -> fresh uniform noise from the block's own
     generator; "z" dropped -> None (zeros); "t" dropped -> n = N. Acceptance history survives only with "x".
   * t_max == t_min (constant temperature) is allowed; transformers' config validation refuses it.
+  * stop conditions (docs/algorithms.md §2.6): on rows before `min_tokens` the EOS and stop ids get logit -inf
+    before the temperature (like a transformers logits processor; z carries the -inf); with `ignore_eos` the
+    committed canvas is the raw argmax canvas (no pad after EOS). The masked families' token sampler (temperature,
+    top-k, top-p; §2.4) does not apply: the entropy-bound rule samples with its own temperature schedule.
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ from typing import Optional
 import torch
 
 from dblock.config import DecodeConfig
+from dblock.decoding.params import SamplingParams
+from dblock.decoding.stopping import banned_ids
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -135,6 +141,7 @@ class UniformBlock:
                                              # position has been accepted with the same token; 0 = not accepted
     first_accepted: Optional[torch.Tensor] = None  # (C,) bool accepted on its first pass as current block
     first_tokens: Optional[torch.Tensor] = None    # (C,) x right after that pass
+    suppress: Optional[torch.Tensor] = None        # (C,) bool: EOS / stop ids banned on these rows (min_tokens)
 
 
 class UniformRule:
@@ -142,7 +149,7 @@ class UniformRule:
 
     uniform = True
 
-    def __init__(self, cfg, dec: DecodeConfig):
+    def __init__(self, cfg, dec: DecodeConfig, sampling: Optional[SamplingParams] = None):
         if dec.rule != "entropy-bound":
             raise ValueError(f"rule={dec.rule!r}: {cfg.family} is a uniform-state model and decodes with "
                              "rule=entropy-bound")
@@ -153,6 +160,13 @@ class UniformRule:
         self.bound = dec.entropy_bound
         self.t_max, self.t_min = dec.temperature
         self.stability, self.confidence = dec.stability, dec.confidence
+        self.sampling = sampling if sampling is not None else dec.sampling_params()
+        if not self.sampling.default_sampler:
+            raise ValueError(f"temperature={self.sampling.temperature}, top_p={self.sampling.top_p}, "
+                             f"top_k={self.sampling.top_k}: the masked families' sampler; {cfg.family} samples with "
+                             "the entropy-bound rule's temperature schedule (DecodeConfig.temperature)")
+        self.banned = banned_ids(self.eos_ids, self.sampling) if self.sampling.min_tokens else ()
+        self.ignore_eos = self.sampling.ignore_eos
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def new_block(self, init_tokens: torch.Tensor, fixed: torch.Tensor, gen) -> UniformBlock:
@@ -174,6 +188,10 @@ class UniformRule:
         """One denoising pass given the block's (C, V) fp32 logits. Mutates `st`."""
         n = max(st.t, 1)
         logits = logits.detach().float().cpu()   # sampling always runs on the CPU generator `gen`
+        if self.banned and st.suppress is not None and bool(st.suppress.any()):   # min_tokens (§2.6)
+            logits = logits.clone()
+            rows = st.suppress.nonzero(as_tuple=True)[0]
+            logits[rows[:, None], torch.as_tensor(self.banned)[None, :]] = float("-inf")
         proc = logits / temperature(n, self.N, self.t_max, self.t_min)                  # (C, V)
         probs = torch.softmax(proc, dim=-1, dtype=torch.float32)
         proposal = torch.multinomial(probs, num_samples=1, generator=gen).squeeze(-1)    # (C,)
@@ -204,7 +222,10 @@ class UniformRule:
         return st.current_passes > 0 and (st.stopped or st.t <= 0)
 
     def final_tokens(self, st: UniformBlock) -> torch.Tensor:
-        """The argmax canvas, pad after its first EOS (what transformers appends to the sequence)."""
+        """The argmax canvas, pad after its first EOS (what transformers appends to the sequence); the raw argmax
+        canvas under ignore_eos."""
+        if self.ignore_eos:
+            return st.argmax
         return pad_after_eos(st.argmax, self.eos_ids, self.pad_id)
 
     def readiness(self, st: UniformBlock) -> float:

@@ -1,16 +1,23 @@
 """`generate(requests) -> tokens + counters`: the library entry behind `dblock generate`.
 
+Sampling and stops (docs/algorithms.md §2.4, §2.6) come from the DecodeConfig, or per request from
+`Request.sampling`. `DecodeConfig.n` > 1 decodes every prompt n times with seeds seed, seed + 1, ... (a Request's
+own seed likewise); the results are prompt-major (prompt 0's n samples, then prompt 1's...), `GenerateResult.samples`
+groups them.
+
 Counters (docs/counters.md), summed over requests: Y valid tokens, K blocks, F denoising passes, Q serving passes,
 TPF = ΣY/ΣQ; T_den = mean wall time of a denoising call (a batched call counts once); TPS = ΣY / denoising wall
 time; wall TPS = ΣY / whole wall time (host overhead, prefill and appends included).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
+from dblock import families
 from dblock.config import DecodeConfig
 from dblock.forward import Forward
 from dblock.decoding.schedules import Request, RequestRun, RunTimes, ScheduleSpec, drive, schedule_spec
@@ -18,20 +25,31 @@ from dblock.trace import NULL_TRACE, TraceWriter
 
 
 def reference_forward(model) -> Forward:
-    """The readable dense executor for a loaded model of any family."""
-    if model.config.family == "diffusion_gemma":
-        from dblock.reference.gemma import GemmaReference
-        return GemmaReference(model)
-    from dblock.reference.executor import LladaReference
-    return LladaReference(model)
+    """The readable dense executor for a loaded model of any family (dblock/families.py)."""
+    return families.reference_forward(model)
 
 
 @dataclass
 class GenerateResult:
-    tokens: list                       # per request: generated ids up to and including the first EOS
+    tokens: list                       # per request: generated ids up to and including the first stop
     counters: list                     # per request: Counters
     times: RunTimes
     runs: list = field(default_factory=list, repr=False)
+    n: int = 1                         # samples per prompt (DecodeConfig.n): tokens are prompt-major
+
+    def samples(self, i: int) -> list:
+        """The n outputs of prompt i."""
+        return self.tokens[i * self.n:(i + 1) * self.n]
+
+    @property
+    def finish_reasons(self) -> list:
+        """Per request: "stop" (EOS, stop id, stop sequence) or "length"."""
+        return [r.finish_reason for r in self.runs]
+
+    @property
+    def stop_reasons(self) -> list:
+        """Per request: the stopping token id or stop sequence, None when it ran out of budget."""
+        return [r.stop_reason for r in self.runs]
 
     def summary(self) -> dict:
         Y = sum(c.Y for c in self.counters)
@@ -67,14 +85,22 @@ class GenerateResult:
                                                  for r in self.runs]}
 
 
-def as_requests(prompts: Sequence, max_new_tokens: int, seed: int = 0, seeds: Optional[Sequence[int]] = None):
+def as_requests(prompts: Sequence, max_new_tokens: int, seed: int = 0, seeds: Optional[Sequence[int]] = None,
+                n: int = 1):
+    """Prompts (token-id lists or Requests) -> Requests; with n > 1 each one n times, seeds s, s + 1, ...
+    (ids i·n + j for plain prompts, (id, j) for Requests with an id)."""
     reqs = []
     for i, p in enumerate(prompts):
         if isinstance(p, Request):
-            reqs.append(p)
+            if n == 1:
+                reqs.append(p)
+            else:
+                reqs += [dataclasses.replace(p, seed=int(p.seed) + j, id=(p.id, j) if p.id is not None else i * n + j)
+                         for j in range(n)]
             continue
         s = seeds[i] if seeds is not None else seed
-        reqs.append(Request(prompt=list(p), max_new_tokens=max_new_tokens, seed=s, id=i))
+        reqs += [Request(prompt=list(p), max_new_tokens=max_new_tokens, seed=int(s) + j, id=i * n + j)
+                 for j in range(n)]
     return reqs
 
 
@@ -89,7 +115,7 @@ def generate(model_or_forward: Any, prompts: Sequence, dec: Optional[DecodeConfi
     dec = (dec or DecodeConfig()).validate()
     fwd = model_or_forward if isinstance(model_or_forward, Forward) else reference_forward(model_or_forward)
     spec = schedule if isinstance(schedule, ScheduleSpec) else schedule_spec(schedule)
-    reqs = as_requests(prompts, dec.max_new_tokens, dec.seed, seeds)
+    reqs = as_requests(prompts, dec.max_new_tokens, dec.seed, seeds, dec.n)
     runs = [RequestRun(r, fwd, spec, dec) for r in reqs]  # validates every prompt before any compute
     bar = None
     if progress:
@@ -105,4 +131,4 @@ def generate(model_or_forward: Any, prompts: Sequence, dec: Optional[DecodeConfi
                 setattr(total, k, getattr(total, k) + getattr(t, k))
     if bar is not None:
         bar.close()
-    return GenerateResult([r.output_tokens() for r in runs], [r.counters for r in runs], total, runs)
+    return GenerateResult([r.output_tokens() for r in runs], [r.counters for r in runs], total, runs, dec.n)

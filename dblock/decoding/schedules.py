@@ -30,7 +30,9 @@ import torch
 
 from dblock.config import DecodeConfig
 from dblock.forward import Forward, Segment, StepInput, block_causal
-from dblock.decoding.samplers import MaskedBlock, masked_step
+from dblock.decoding.params import SamplingParams
+from dblock.decoding.samplers import MaskedBlock, last_pass, masked_step
+from dblock.decoding.stopping import Stopper, banned_ids
 from dblock.trace import NULL_TRACE, TraceWriter
 
 SCHEDULES = ("native", "native2c", "oba", "dense_mask", "flowblock",
@@ -92,10 +94,14 @@ def schedule_spec(name: str, window: Optional[int] = None, gate: Optional[float]
 
 @dataclass
 class Request:
+    """One prompt to decode. `sampling`: this request's own sampler and stop conditions (docs/algorithms.md §2.4,
+    §2.6); None = the batch's (`DecodeConfig.sampling_params()`). `seed` seeds its noise streams (§3)."""
+
     prompt: list
     max_new_tokens: int = 128
     seed: int = 0
     id: Any = None
+    sampling: Optional[SamplingParams] = None
 
 
 @dataclass
@@ -104,10 +110,10 @@ class BlockStats:
     size: int
     passes: int                 # n_k: denoising passes as the current block
     warmup_steps: int           # passes taken before it became current
-    tokens: int                 # valid tokens committed (up to and including the first EOS, within max_new_tokens)
+    tokens: int                 # valid tokens committed (up to and including the first stop, within max_new_tokens)
     first_pass_accepted: int    # rows accepted by the end of its first pass as current block
     first_pass_kept: int        # of those, rows whose token then is the committed one
-    eos: bool = False
+    eos: bool = False           # the request stopped in this block (EOS, stop id or stop sequence)
     accept_pass: list = field(default_factory=list)
     kept: list = field(default_factory=list)
 
@@ -116,7 +122,7 @@ class BlockStats:
 class Counters:
     """docs/counters.md counters of one request (or summed over many: see `sum_counters`)."""
 
-    Y: int = 0                  # valid generated tokens, up to and including the first EOS
+    Y: int = 0                  # valid generated tokens, up to and including the first stop (EOS, stop id/sequence)
     K: int = 0                  # committed blocks
     F: int = 0                  # denoising passes (a paired / multi-block pass counts once)
     Q: int = 0                  # serving passes: F + K on cache layouts (1 prefill + K-1 appends), F on recompute
@@ -135,17 +141,24 @@ class Counters:
 # ---------------------------------------------------------------------------------------------------------------
 
 class MaskedRule:
-    """Masked diffusion (LLaDA families): threshold or fixed-k, greedy (no randomness)."""
+    """Masked diffusion (LLaDA families): threshold or fixed-k (docs/algorithms.md §2.1, §2.2), greedy or sampled
+    (§2.4) with the request's `SamplingParams`. A sampled pass draws from the block's stateless per-pass stream,
+    seeded from the block's generator (`gen.initial_seed()`)."""
 
     uniform = False
 
-    def __init__(self, cfg, dec: DecodeConfig):
+    def __init__(self, cfg, dec: DecodeConfig, sampling: Optional[SamplingParams] = None):
         self.mask_id, self.dec = cfg.mask_token_id, dec
+        self.sampling = sampling if sampling is not None else dec.sampling_params()
+        eos = getattr(cfg, "eos_token_ids", None) or (cfg.eos_token_id,)
+        self.banned = banned_ids(eos, self.sampling) if self.sampling.min_tokens else ()
+        self.last = last_pass(dec.rule, dec.max_steps, dec.n_steps, dec.threshold_steps)
 
     def new_block(self, init_tokens: torch.Tensor, fixed: torch.Tensor, gen) -> MaskedBlock:
         t = init_tokens.clone()
         t[~fixed] = self.mask_id
-        return MaskedBlock(t, fixed.clone(), self.mask_id)
+        seed = int(gen.initial_seed()) if gen is not None else 0
+        return MaskedBlock(t, fixed.clone(), self.mask_id, seed=seed)
 
     def view(self, st: MaskedBlock):
         """(tokens, live, decoded, sc_logits) for a Segment."""
@@ -154,8 +167,10 @@ class MaskedRule:
     def step(self, st: MaskedBlock, logits: torch.Tensor, gen, warmup: bool, accept: bool = True) -> None:
         d = self.dec
         if warmup:  # the warm-up clock holds at its last step: it never forces the commit-all pass
-            st.passes = min(st.passes, (d.max_steps if d.rule == "threshold" else d.n_steps) - 2)
-        masked_step(st, logits, d.rule, d.threshold, d.max_steps, d.n_steps, accept=accept)
+            st.passes = min(st.passes, self.last - 2)
+        masked_step(st, logits, d.rule, d.threshold, d.max_steps, d.n_steps, accept=accept,
+                    inclusive=d.threshold_inclusive, quota_steps=d.threshold_steps, mask_policy=d.mask_policy,
+                    sampling=self.sampling, banned=self.banned)
 
     def done(self, st: MaskedBlock) -> bool:
         return st.done
@@ -183,13 +198,13 @@ class MaskedRule:
                     first_pass_accepted=first, first_pass_kept=first)
 
 
-def make_rule(cfg, dec: DecodeConfig):
+def make_rule(cfg, dec: DecodeConfig, sampling: Optional[SamplingParams] = None):
     if cfg.family == "diffusion_gemma":
         from dblock.decoding.entropy_bound import UniformRule
-        return UniformRule(cfg, dec)
+        return UniformRule(cfg, dec, sampling)
     if dec.rule == "entropy-bound":
         raise ValueError(f"rule=entropy-bound is for uniform-state models; {cfg.family} allows threshold, fixed-k")
-    return MaskedRule(cfg, dec)
+    return MaskedRule(cfg, dec, sampling)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,7 +232,12 @@ class RequestRun:
     def __init__(self, req: Request, forward: Forward, spec: ScheduleSpec, dec: DecodeConfig, rule=None):
         cfg = forward.config
         self.req, self.fwd, self.spec, self.dec, self.cfg = req, forward, spec, dec, cfg
-        self.rule = rule or make_rule(cfg, dec)
+        self.sampling = req.sampling if req.sampling is not None else dec.sampling_params()
+        uniform = cfg.family == "diffusion_gemma"
+        self.sampling.check_request(cfg.vocab_size, req.max_new_tokens, uniform, cfg.family)
+        if uniform and dec.mask_policy != "exclude":
+            raise ValueError(f"mask_policy={dec.mask_policy!r}: {cfg.family} is uniform-state and has no MASK id")
+        self.rule = rule or make_rule(cfg, dec, self.sampling)
         self.C = (dec.block_size or cfg.block_size) * spec.width
         self.prompt = torch.as_tensor(list(req.prompt), dtype=torch.long)
         self.P = int(self.prompt.numel())
@@ -238,6 +258,7 @@ class RequestRun:
                                 else "the encoder/decoder split always caches the prefix)"))
         self.recompute = dec.no_cache or self.layout == "fullseq"
         self._eos_ids = set(getattr(cfg, "eos_token_ids", None) or (cfg.eos_token_id,))
+        self.stopper = Stopper(self._eos_ids, self.sampling)
         self.end = self.P + req.max_new_tokens                 # generation region [P, end)
         if self.layout == "grid":
             self.first_block = self.P // self.C
@@ -250,11 +271,14 @@ class RequestRun:
         self.generated: list = []                              # committed generated token ids (before truncation)
         self.inflight: list[InFlight] = []
         self.cache = None if self.recompute else forward.new_cache()
-        self._gen_request = torch.Generator().manual_seed(int(req.seed)) if spec.rng == "request" else None
+        # uniform-state Native: one stream per request (transformers' draws); masked blocks always get their own
+        # per-(request, block) generator (docs/algorithms.md §2.4)
+        self._gen_request = (torch.Generator().manual_seed(int(req.seed))
+                             if spec.rng == "request" and self.rule.uniform else None)
         self._next_block = self.first_block
         self._pending_append: Optional[list[Segment]] = None
         self.finished = False
-        self.eos_hit = False
+        self.eos_hit = False                                   # finished by a stop: EOS, a stop id or sequence
         # prefill: the prompt's committed part goes through the append path once
         if not self.recompute:
             segs = self._prefill_segments()
@@ -280,7 +304,11 @@ class RequestRun:
             init[:n_prompt] = self.prompt[start:start + n_prompt]
             fixed[:n_prompt] = True
         gen = self._gen_for(b)
-        return InFlight(b, start, self.rule.new_block(init, fixed, gen), gen)
+        state = self.rule.new_block(init, fixed, gen)
+        if self.sampling.min_tokens:  # rows before min_tokens: EOS and stop ids suppressed (docs/algorithms.md §2.6)
+            g = torch.arange(start, start + self.C) - self.P
+            state.suppress = (g >= 0) & (g < self.sampling.min_tokens)
+        return InFlight(b, start, state, gen)
 
     def _fill_window(self) -> None:
         """Start blocks while the window has room and the start policy allows."""
@@ -386,13 +414,8 @@ class RequestRun:
         gen_rows = tokens[lo:].tolist()
         budget = self.req.max_new_tokens - len(self.generated)
         stats = self.rule.block_stats(f.state, f.warmup_steps)
-        valid = 0
-        eos = False
-        for t in gen_rows[:budget]:
-            valid += 1
-            if t in self._eos_ids:
-                eos = True
-                break
+        valid = self.stopper.feed(gen_rows[:budget])      # up to and including the first stop (§2.6)
+        eos = self.stopper.stopped
         self.generated.extend(gen_rows)
         self.counters.K += 1
         self.counters.Y += valid
@@ -419,13 +442,22 @@ class RequestRun:
 
     # ---- results ------------------------------------------------------------------------------------------
     def output_tokens(self) -> list:
-        """Generated ids up to and including the first EOS, at most max_new_tokens."""
-        out = []
-        for t in self.generated[: self.req.max_new_tokens]:
-            out.append(t)
-            if t in self._eos_ids:
-                break
-        return out
+        """Generated ids up to and including the first stop (EOS, a stop id, a stop sequence; docs/algorithms.md
+        §2.6), at most max_new_tokens."""
+        return list(self.stopper.out)
+
+    @property
+    def stop_reason(self):
+        """None (not stopped: running, or the budget ran out), else the stopping token id (EOS or a stop id) or the
+        stop sequence (a tuple of ids)."""
+        return self.stopper.reason
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """None while running; "stop" (EOS, stop id, stop sequence) or "length" (budget, last block) once finished."""
+        if not self.finished:
+            return None
+        return "stop" if self.stopper.stopped else "length"
 
 
 # ---------------------------------------------------------------------------------------------------------------

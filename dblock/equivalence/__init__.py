@@ -3,6 +3,9 @@
   margins.py     decision margins Γ (sufficient) and Γ* (exact, tight) for the threshold and fixed-k rules; the
                  entropy-bound rule's decision check under shared randomness
   shadow.py      `ShadowForward`: teacher-forced comparison at every pass on identical inputs
+  audit.py       `AuditedEpochExecutor`: the Epoch executor's named steps wrapped to record the audit records and
+                 taps the checks read (the production executor carries none of it)
+  faults.py      deliberate faults (`--inject-fault`) as overrides of the executor's named steps
   invariants.py  staleness, coverage, support-only routing, block-boundary clearing, newly-decoded-never-served,
                  LM head for every live row — pure checks over the executor's audit records
   staleness.py   the staleness curve (cosine of cached vs fresh routed outputs by age, decoded vs live rows)

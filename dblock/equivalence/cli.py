@@ -1,5 +1,5 @@
 """`dblock verify`: differential testing of the optimized executor against the reference (the equivalence room's
-command; `dblock.cli` imports this module).
+command; `dblock.cli` calls `add_parser`, the subcommand runs `_verify` through `set_defaults(_run=...)`).
 
     dblock verify --model tiny-masked --task arith --n 20                      # report, exit 0 when all holds
     dblock verify --model tiny-masked --task arith --n 20 --json > report.json
@@ -19,7 +19,9 @@ import json
 import os
 import sys
 
-from dblock.cli import add_decode_args, add_executor_args, add_model_args, decode_config, load_model
+from dblock.cli_args import (MAX_PROBLEMS, add_batch_size_arg, add_decode_args, add_executor_args, add_model_args,
+                             add_special_tokens_arg, check_fits, check_out_file, decode_config, encode_texts, float_arg,
+                             int_arg, load_model, load_tokenizer, model_config, schedule_from_args)
 
 CHECKS = ("full-compute", "paired-block", "world-size")
 
@@ -48,18 +50,19 @@ def add_parser(subparsers):
     add_model_args(p)
     src = p.add_argument_group("workload (give --task or --prompts)")
     src.add_argument("--task", default=None, help="graded task for prompts and accuracy, e.g. arith")
-    src.add_argument("--n", type=int, default=20, help="task problems to decode (default 20)")
-    src.add_argument("--split", default="test", help="task split (default test)")
+    src.add_argument("--n", type=int_arg(1, MAX_PROBLEMS), default=20, help="task problems to decode (default 20)")
+    src.add_argument("--split", default="test", choices=["test", "train"], help="task split (default test)")
     src.add_argument("--prompts", default=None,
                      help="file with one prompt per line: text (needs the model's tokenizer.json) or comma-separated "
                           "token ids; or a JSON list of strings / id lists")
+    add_special_tokens_arg(p)
     add_decode_args(p)
     add_executor_args(p)
-    p.set_defaults(executor="epoch")
+    p.set_defaults(executor="epoch", _run=_verify)
     v = p.add_argument_group("verification")
     v.add_argument("--json", action="store_true", help="print the whole report as one JSON object")
     v.add_argument("--out", default=None, help="also write the JSON report to this file")
-    v.add_argument("--max-disagreement", type=float, default=None,
+    v.add_argument("--max-disagreement", type=float_arg(0.0, 1.0), default=None,
                    help="largest tolerated share of live-row decisions that differ from the reference on the same "
                         f"inputs (default 0 for full_compute/dense, {APPROX_MAX_DISAGREEMENT} for the approximate "
                         "configurations epoch/no_atlas/no_lsp)")
@@ -68,7 +71,7 @@ def add_parser(subparsers):
                         "exit 1 naming the violation (" + ", ".join(f"{k} -> {w}" for k, w in FAULTS.items()) + ")")
     v.add_argument("--staleness-curve", action="store_true",
                    help="cosine of cached vs fresh routed-expert outputs by age, decoded vs live rows: table + PNG")
-    v.add_argument("--max-age", type=int, default=8, help="staleness curve: largest age k (default 8)")
+    v.add_argument("--max-age", type=int_arg(1, 1024), default=8, help="staleness curve: largest age k (default 8)")
     v.add_argument("--plot", default="staleness_curve.png",
                    help="staleness curve PNG path (default staleness_curve.png)")
     v.add_argument("--check", action="append", default=[], choices=CHECKS + ("all",),
@@ -79,38 +82,66 @@ def add_parser(subparsers):
     v.add_argument("--no-probe", action="store_true",
                    help="skip the liveness probe (fixed-k, one position per pass, exercises cache ages up to M_C-1)")
     v.add_argument("--no-e2e", action="store_true", help="skip the separate end-to-end reference run")
-    v.add_argument("--batch-size", type=int, default=None, help="requests per forward (default: all)")
-    v.add_argument("--limit", type=int, default=20, help="text output: list at most this many items per kind")
+    add_batch_size_arg(v)
+    v.add_argument("--limit", type=int_arg(0, 1_000_000), default=20,
+                   help="text output: list at most this many items per kind")
 
 
-def read_prompts(path: str, tok) -> list:
-    """Prompts from a file: JSON (list of strings or id lists) or one prompt per line."""
+def read_prompt_items(path: str) -> list:
+    """(label, item) per prompt of a file: JSON (a list of strings or id lists) or one prompt per line; an item is
+    a list of ids or a text (comma-separated digits are ids). Every problem names the file and the line or item."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"--prompts {path}: is a folder; give a file with one prompt per line")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--prompts {path}: no such file")
-    text = open(path, encoding="utf-8").read()
-    items = None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts {path}: not UTF-8 text (byte {e.start})") from None
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--prompts {path}: not valid JSON ({e})") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"--prompts {path}: not valid JSON ({str(e)[:80]})") from None
+        if not isinstance(items, list):
+            raise ValueError(f"--prompts {path}: a JSON file must hold a list of prompts")
+        labelled = [(f"--prompts {path} item {i + 1}", it) for i, it in enumerate(items)]
     else:
-        items = [line.rstrip("\n") for line in text.splitlines() if line.strip()]
+        labelled = [(f"--prompts {path} line {i + 1}", line) for i, line in enumerate(text.splitlines())
+                    if line.strip()]
     out = []
-    for i, it in enumerate(items):
+    for label, it in labelled:
         if isinstance(it, list):
-            out.append([int(x) for x in it])
+            if not it or not all(isinstance(x, int) and not isinstance(x, bool) for x in it):
+                raise ValueError(f"{label}: a list of token ids must hold one or more integers")
+            out.append((label, list(it)))
         elif isinstance(it, str) and it.replace(",", "").replace(" ", "").isdigit():
-            out.append([int(x) for x in it.replace(" ", "").split(",") if x])
+            out.append((label, [int(x) for x in it.replace(" ", "").split(",") if x]))
         elif isinstance(it, str):
-            if tok is None:
-                raise ValueError(f"--prompts {path} line {i + 1}: text prompt but the model has no tokenizer.json; "
-                                 "give comma-separated token ids")
-            out.append(tok.encode(it))
+            out.append((label, it))
         else:
-            raise ValueError(f"--prompts {path}: item {i + 1} is neither text nor a list of ids")
+            raise ValueError(f"{label}: neither text nor a list of token ids")
     if not out:
         raise ValueError(f"--prompts {path}: no prompts")
+    return out
+
+
+def read_prompts(path: str, tok, cfg=None, allow_special: bool = False) -> list:
+    """Prompts from a file (see `read_prompt_items`) as token ids. Text goes through `tok`: a `tokenizers.Tokenizer`
+    (or `CharTokenizer`) with `dblock.cli_args.encode_texts` (special-token text stays plain text unless
+    `allow_special`), any other object through its own `encode(text) -> ids`; None refuses text prompts."""
+    out = []
+    for label, it in read_prompt_items(path):
+        if isinstance(it, str):
+            if tok is None:
+                raise ValueError(f"{label}: text prompt but the model has no tokenizer.json; give comma-separated "
+                                 "token ids")
+            if hasattr(tok, "to_str") or hasattr(tok, "hf") or hasattr(tok, "token_to_id"):
+                it = encode_texts(tok, [it], cfg, [label], allow_special)[0]
+            else:                                   # a caller's own encoder: encode(text) -> ids
+                it = list(tok.encode(it))
+        out.append(it)
     return out
 
 
@@ -120,32 +151,43 @@ def _verify(args) -> int:
 
     if (args.task is None) == (args.prompts is None):
         raise ValueError("give exactly one of --task T (with --n N) or --prompts FILE")
-    if args.n <= 0:
-        raise ValueError(f"--n {args.n}: must be a positive integer")
-    if args.max_age < 1:
-        raise ValueError(f"--max-age {args.max_age}: must be >= 1")
-    model = load_model(args)
-    dec = decode_config(args, model.config.family)
+    if args.out:
+        check_out_file(args.out, "--out")
+    if args.staleness_curve:
+        check_out_file(args.plot, "--plot")
+    # refused from config.json and tokenizer.json before the weights are read
+    folder, cfg = model_config(args)
+    dec = decode_config(args, cfg.family)
+    spec = schedule_from_args(args)
     task = examples = tok = None
+    hf = load_tokenizer(folder)
     if args.task is not None:
+        from dblock.errors import TaskError
         from dblock.tasks import get_task
         from dblock.tasks.evaluate import TokenizerAdapter
-        task = get_task(args.task)
-        tok = TokenizerAdapter.from_folder(model.source)
+        try:
+            task = get_task(args.task)
+        except ValueError as e:
+            raise TaskError(f"--task {args.task[:60]}: {e}") from None
+        if hf is None:
+            raise FileNotFoundError(f"{folder}/tokenizer.json: the model folder has no tokenizer.json (needed to "
+                                    "encode task prompts)")
+        tok = TokenizerAdapter(hf)
         examples = task.examples(args.split, args.n)
         prompts = [tok.encode(e.prompt) for e in examples]
+        labels = [f"--task {args.task} ({args.split} problem {i})" for i in range(len(prompts))]
     else:
-        from dblock.cli import load_tokenizer
-        hf = load_tokenizer(model)
-        prompts = read_prompts(args.prompts, hf and _Enc(hf))
+        items = read_prompt_items(args.prompts)
+        labels = [label for label, _ in items]
+        prompts = read_prompts(args.prompts, hf, cfg, args.allow_special_tokens)
+    check_fits(cfg, dec, spec, list(zip(labels, prompts)))
+    model = load_model(args)
     checks = list(CHECKS) if "all" in args.check else list(dict.fromkeys(args.check))
     epoch_kw = dict(refresh=args.refresh, atlas_alpha=args.atlas_alpha, atlas_q=args.atlas_q,
                     update_every=args.update_every, use_triton=args.use_triton)
     if getattr(args, "ep", None) is not None:
         from dblock.optimized.ep import dispatcher_from_cli
         epoch_kw["dispatcher"] = dispatcher_from_cli(model, args.ep, args.ep_dispatch, args.device)
-    from dblock.decoding.schedules import schedule_spec
-    spec = schedule_spec(args.schedule, args.window, args.gate)
     quiet = args.json
     rep = run_verify(model, prompts, dec, spec, executor=args.executor, config=args.epoch_config, epoch_kw=epoch_kw,
                      faults=args.inject_fault, probe=not args.no_probe, e2e=not args.no_e2e, task=task,
@@ -164,18 +206,3 @@ def _verify(args) -> int:
         print(format_report(rep, limit=args.limit))
     return rep["exit"]["status"]
 
-
-class _Enc:
-    """A bare `tokenizers.Tokenizer` with the `encode(text) -> ids` the prompt reader needs."""
-
-    def __init__(self, hf):
-        self.hf = hf
-
-    def encode(self, text):
-        return self.hf.encode(text).ids
-
-
-def main(args) -> int:
-    if args.command == "verify":
-        return _verify(args)
-    raise ValueError(f"unknown command {args.command!r}")

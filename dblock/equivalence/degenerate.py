@@ -38,6 +38,7 @@ WORLD_TOL = 1e-4      # fp32 logits, different summation order of expert partial
 # ---------------------------------------------------------------------------------------------------------------
 
 def check_full_compute(model, prompts, dec, schedule="native", batch_size=None) -> dict:
+    from dblock.equivalence.audit import audited_epoch_forward
     from dblock.equivalence.shadow import ShadowForward, shadow_generate
     from dblock.optimized.executor import epoch_forward
     from dblock.decoding.generate import generate, reference_forward
@@ -47,7 +48,7 @@ def check_full_compute(model, prompts, dec, schedule="native", batch_size=None) 
     ref = generate(model, prompts, dec, schedule, batch_size=batch_size)
     fc = generate(epoch_forward(model, "full_compute"), prompts, dec, schedule, batch_size=batch_size)
     same = sum(a == b for a, b in zip(ref.tokens, fc.tokens))
-    sh = ShadowForward(epoch_forward(model, "full_compute", audit=True), reference_forward(model))
+    sh = ShadowForward(audited_epoch_forward(model, "full_compute"), reference_forward(model))
     shadow_generate(sh, prompts, dec, schedule, batch_size)
     rows = [a for r in sh.rows if r.get("decision", True) for a in r["agree"]]
     agree = sum(rows) / len(rows) if rows else 1.0

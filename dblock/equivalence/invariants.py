@@ -1,9 +1,9 @@
 """Invariants of the optimized executor (docs/algorithms.md §4.3, §5), checked on its audit records.
 
-The Epoch executor, built with `audit=True`, appends one record per (pass, block, layer) to `executor.audit`
-(served rows and their ages, newly decoded and decoded rows, the support and whether its build succeeded, the count
-of routed (row, expert) pairs outside the support) and one per (pass, block) to `executor.audit_heads` (the live
-rows and the rows the LM head ran for). Every check here is a pure function of those records (plus, where the
+The audited Epoch executor (`audit.AuditedEpochExecutor`) appends one record per (pass, block, layer) to
+`executor.audit` (served rows and their ages, newly decoded and decoded rows, the support and whether its build
+succeeded, the count of routed (row, expert) pairs outside the support) and one per (pass, block) to
+`executor.audit_heads` (the live rows and the rows the LM head ran for). Every check here is a pure function of those records (plus, where the
 shadow comparison has it, the block's own pass count and the rows' absolute positions), so the same code judges a
 real run, a hand-driven state machine and a deliberately broken executor.
 
@@ -125,7 +125,8 @@ def check_head(rec: dict, positions: Optional[list] = None) -> list:
 
 
 def check_executor(executor) -> list:
-    """All audit-record violations of an executor built with `audit=True` (no block-pass or position context)."""
+    """All audit-record violations of an audited executor (`audit.AuditedEpochExecutor`; no block-pass or position
+    context)."""
     out = []
     for rec in getattr(executor, "audit", None) or []:
         out += check_record(rec)

@@ -28,13 +28,14 @@ from dblock.equivalence.shadow import ShadowForward, shadow_generate
 
 
 def make_optimized(model, executor: str, config: str, epoch_kw: dict, faults: Sequence[str]):
-    from dblock.optimized.executor import epoch_forward
+    """The executor under test: the reference itself, or the audited Epoch executor with `faults` injected."""
+    from dblock.equivalence.audit import audited_epoch_forward
     from dblock.decoding.generate import reference_forward
     if executor == "reference" or config == "dense":
         if faults:
             raise ValueError("--inject-fault needs --executor epoch with an epoch configuration (not dense)")
         return reference_forward(model)
-    return epoch_forward(model, config, audit=True, inject=tuple(faults), **epoch_kw)
+    return audited_epoch_forward(model, config, faults=tuple(faults), **epoch_kw)
 
 
 def probe_decode(dec: DecodeConfig, block_size: int) -> DecodeConfig:

@@ -9,21 +9,30 @@ launcher that asserts dtype, contiguity and strides, and a `*_torch` golden mode
     lm_head.py      final RMSNorm + LM head of the live rows only (gathered in the load)
     stack.py        `TritonStages`: the executor's stage seam (route, experts, attend, lm_head, compact, scatter)
 
-On a machine without CUDA the kernels run through the Triton interpreter (numpy, slow, for checking). Triton
-decides interpreter vs compiler when `@triton.jit` decorates a function (triton 3.9: `knobs.runtime.interpret`,
-read from the environment variable TRITON_INTERPRET at that moment), so the variable is set here, before any
-kernel module is imported. With CUDA present the kernels are compiled unless TRITON_INTERPRET=1 was set by the
-caller (the CPU tests do that). Decorated functions keep the mode they were created with, so the mode of a
-process is fixed by the first import of this package: `INTERPRET` says which. torch may have imported triton
-before this package (see `_interpreter_stdlib`), so the variable alone is not enough: triton.language's own
-@jit functions are re-created in interpreter mode when that happened.
+Interpreter or compiler: importing this package changes nothing in the process (no environment variable, no
+module reload). Triton decides interpreter vs compiler when `@triton.jit` decorates a function (triton 3.9:
+`knobs.runtime.interpret`, read from the environment variable TRITON_INTERPRET at that moment), and triton.language
+decorates its own standard library (tl.max, tl.sum, tl.cumsum, ...) when triton is first imported, which torch may do
+on its own (e.g. `torch._dynamo` -> `torch._inductor` when a model is built under a device context, as `dblock.load`
+does). So the mode is the caller's choice, made once, before triton is imported:
+
+  * on a machine without CUDA the kernels run only through the interpreter (numpy, slow, for checking): set
+    TRITON_INTERPRET=1 before starting Python (`TRITON_INTERPRET=1 python ...`). The `dblock` command does it for
+    `--use-triton` when no CUDA device is visible and the variable is unset (`dblock.cli_args.prepare_triton`);
+    the tests set it in tests/conftest.py.
+  * with CUDA the kernels are compiled unless TRITON_INTERPRET=1 was set.
+
+`INTERPRET` is the mode the kernel modules were decorated in. A process that set the variable after triton was
+imported has the kernels and triton.language's standard library in different modes; `check_runnable` refuses to
+launch then (`MODE_ERROR` says why) instead of failing inside a kernel.
 
 Interpreter traps (triton 3.9):
   * bf16 arithmetic, `tl.sum` and `tl.dot` on bf16 are wrong (triton-lang/triton#11584) and the fp32->bf16 cast at
     store truncates instead of rounding. Every kernel loads, upcasts to fp32 where it computes (`F32` constexpr:
     always under the interpreter and for fp32 inputs, with IEEE dots), and casts only at the store. On a GPU 16-bit
     operands go to `tl.dot` as they are (products of bf16 numbers are exact in fp32, accumulation is fp32).
-  * triton.language's own @jit functions are fixed at triton's import (see `_interpreter_stdlib`).
+  * triton.language's own @jit functions are fixed at triton's import: TRITON_INTERPRET must be set before triton
+    is imported, not just before this package (see `MODE_ERROR`).
   * a scalar built from a loop variable (`t >= n`) is rejected as a load mask ("mask has unsupported dtype"):
     broadcast it to a vector first.
   * the interpreter pays per operation (~0.1-0.3 ms each), not per element, and re-patches triton.language on
@@ -34,57 +43,16 @@ Interpreter traps (triton 3.9):
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    # Without CUDA the compiled path cannot launch at all; the interpreter is the only way to run the kernels.
-    os.environ["TRITON_INTERPRET"] = "1"
-
 try:
-    import triton  # noqa: E402
-    import triton.language as tl  # noqa: E402,F401
+    import triton
+    import triton.language as tl
     HAVE_TRITON = True
 except ImportError:                                       # pragma: no cover - triton is an extra
     triton = None
     tl = None
     HAVE_TRITON = False
-
-
-def _interpreter_stdlib() -> bool:
-    """Make triton.language's own @jit functions (tl.max, tl.sum, tl.cumsum, tl.sigmoid, ...) interpreted.
-
-    Trap: torch imports triton on its own (e.g. `torch._refs` -> `torch._dynamo` -> `torch._inductor` when a model
-    is built under a device context, as `dblock.load` does), so triton.language may already be imported, its
-    standard library decorated as compiled JITFunctions, before this package could set TRITON_INTERPRET. Inside
-    an interpreted kernel those raise "Cannot call @triton.jit'd outside of the scope of a kernel". Re-executing
-    the two modules that hold such functions under the interpreter setting and rebinding their names in
-    triton.language repairs that (the modules re-register their tensor member functions themselves).
-    Returns True when something was rebound.
-    """
-    import importlib
-    import inspect
-
-    from triton.runtime.jit import JITFunction
-    std = tl.standard
-    if not isinstance(std.max, JITFunction) or type(std.max).__name__ == "InterpretedFunction":
-        return False
-    changed = False
-    for name in ("standard", "random"):
-        mod = importlib.import_module(f"triton.language.{name}")
-        old = {k: v for k, v in vars(mod).items() if isinstance(v, JITFunction)}
-        importlib.reload(mod)
-        for owner in (tl, tl.core):
-            for k, v in list(vars(owner).items()):
-                if k in old and v is old[k] and not inspect.ismodule(v):
-                    setattr(owner, k, getattr(mod, k))
-                    changed = True
-    return changed
-
-
-if HAVE_TRITON and triton.knobs.runtime.interpret:
-    _interpreter_stdlib()
 
 
 def interpret_mode() -> bool:
@@ -94,7 +62,22 @@ def interpret_mode() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def _stdlib_interpreted() -> bool:
+    """True when triton.language's own @jit functions were created in interpreter mode (at triton's import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.standard.max, InterpretedFunction)
+
+
 INTERPRET = interpret_mode()        # the mode of every kernel in this package (fixed at import)
+
+#: why the kernels cannot launch in this process, or None (TRITON_INTERPRET changed after triton was imported)
+MODE_ERROR = None
+if HAVE_TRITON and INTERPRET and not _stdlib_interpreted():
+    MODE_ERROR = ("TRITON_INTERPRET=1 was set after triton was imported: triton.language's own functions are "
+                  "compiled, the kernels interpreted; set TRITON_INTERPRET=1 before starting Python")
+elif HAVE_TRITON and not INTERPRET and _stdlib_interpreted():
+    MODE_ERROR = ("TRITON_INTERPRET was unset after triton was imported with it: triton.language's own functions "
+                  "are interpreted, the kernels compiled; set or unset TRITON_INTERPRET before starting Python")
 
 #: dtypes the launchers accept (fp64 is not a Triton compute type here: kernels compute in fp32)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -123,12 +106,14 @@ def check(t: torch.Tensor, name: str, dtypes=None, ndim: int | None = None, cont
 
 def check_runnable(device: torch.device) -> None:
     """The kernels can launch on tensors of `device` in this process's mode (clear error instead of a crash)."""
+    if MODE_ERROR is not None:
+        raise RuntimeError(MODE_ERROR)
     if INTERPRET:
         if device.type != "cpu":
             raise RuntimeError(f"the Triton kernels were set up for the interpreter (CPU tensors); got {device}")
     elif device.type != "cuda":
         raise RuntimeError(f"the Triton kernels are compiled for CUDA; got tensors on {device} "
-                           "(set TRITON_INTERPRET=1 before importing dblock.kernels to check on CPU)")
+                           "(set TRITON_INTERPRET=1 before starting Python to check on CPU)")
 
 
 def f32_mode(dtype: torch.dtype) -> bool:

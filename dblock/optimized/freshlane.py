@@ -10,7 +10,8 @@ experts on other ranks) and its K routing weights. The receiving rank runs its e
 routing weights, and sums over its own slots; `combine` returns one partial sum per (token, rank) and the owner
 adds them up (DeepEP's convention: combine itself is an unweighted sum). With one rank this is the identity.
 
-Letter legend: F fresh rows, K experts per token, P (row, slot) pairs, E experts, H hidden, I expert width.
+Letter legend: F fresh rows, K experts per token, P (row, slot) pairs, E experts, H hidden, I expert width,
+X rows of one expert.
 """
 from __future__ import annotations
 
@@ -37,28 +38,38 @@ def sort_by_expert(ids_FK: torch.Tensor):
     return pair // K, pair % K, counts
 
 
+def expert_groups(ids_FK: torch.Tensor):
+    """Group by expert: (e, rows_X, slots_X) for every expert e with rows, in expert order (`sort_by_expert`)."""
+    row_P, slot_P, counts_E = sort_by_expert(ids_FK)
+    start = 0
+    for e, n in enumerate(counts_E.tolist()):
+        if n == 0:
+            continue
+        yield e, row_P[start:start + n], slot_P[start:start + n]
+        start += n
+
+
+def swiglu(x_XH: torch.Tensor, w_gate_IH, w_up_IH, w_down_HI) -> torch.Tensor:
+    """One expert's MLP: down(silu(gate x) · up x) -> (X, H)."""
+    return F_.linear(F_.silu(F_.linear(x_XH, w_gate_IH)) * F_.linear(x_XH, w_up_IH), w_down_HI)
+
+
 def grouped_swiglu_torch(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.Tensor, w_gate_EIH, w_up_EIH,
                          w_down_EHI) -> torch.Tensor:
     """Σ_k w[f,k] · down_e(silu(gate_e x_f) · up_e x_f), e = ids[f,k]; slots with id -1 contribute nothing.
 
-    One pass per expert that has rows (invalid slots load no weights). Accumulates in fp32 (fp64 for fp64
-    inputs), returns x's dtype.
+    Group the (row, slot) pairs by expert, run each expert's MLP once over its rows (invalid slots load no
+    weights), combine: add the weighted outputs into their rows. Accumulates in fp32 (fp64 for fp64 inputs),
+    returns x's dtype.
     """
     acc = torch.promote_types(x_FH.dtype, torch.float32)                 # fp32, or fp64 for fp64 references
-    out = torch.zeros(x_FH.shape, dtype=acc, device=x_FH.device)
+    out_FH = torch.zeros(x_FH.shape, dtype=acc, device=x_FH.device)
     if x_FH.shape[0] == 0:
-        return out.to(x_FH.dtype)
-    row_P, slot_P, counts = sort_by_expert(ids_FK)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
-        rows, slots = row_P[start:start + n], slot_P[start:start + n]
-        start += n
-        xe = x_FH[rows]
-        ye = F_.linear(F_.silu(F_.linear(xe, w_gate_EIH[e])) * F_.linear(xe, w_up_EIH[e]), w_down_EHI[e])
-        out.index_add_(0, rows, ye.to(acc) * w_FK[rows, slots, None])
-    return out.to(x_FH.dtype)
+        return out_FH.to(x_FH.dtype)
+    for e, rows_X, slots_X in expert_groups(ids_FK):
+        y_XH = swiglu(x_FH[rows_X], w_gate_EIH[e], w_up_EIH[e], w_down_EHI[e])
+        out_FH.index_add_(0, rows_X, y_XH.to(acc) * w_FK[rows_X, slots_X, None])
+    return out_FH.to(x_FH.dtype)
 
 
 @dataclass

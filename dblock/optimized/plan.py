@@ -31,7 +31,6 @@ class EpochConfig:
     refresh: int = 5                 # M_C: every M_C passes all rows go fresh (age bound M_C - 1)
     atlas_params: AtlasParams = field(default_factory=AtlasParams)
     use_triton: bool = False
-    inject: frozenset = frozenset()  # deliberate faults for checking the checker (dblock verify --inject-fault)
 
     @classmethod
     def named(cls, name: str, refresh: Optional[int] = None, **atlas_kw) -> "EpochConfig":

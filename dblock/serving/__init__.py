@@ -4,15 +4,27 @@ generator.
     engine.py    `Engine`: request queue, admission (batch cap, KV token budget, queue bound), one pass at a time over
                  every running request (`schedules.step_once`), joins and leaves at pass boundaries, per-block commit
                  events, cancellation, traces. No HTTP, no asyncio: usable in-process.
-    protocol.py  the `/v1/completions` body, validated by hand (every 4xx names its field), limits.
-    server.py    `create_app(engine, ...)` (FastAPI/uvicorn): /v1/completions (SSE per committed block), /health,
-                 /metrics, /v1/models; API key middleware; body limits; graceful drain; `ServerThread` for tests.
-    metrics.py   Prometheus text exposition.
+    protocol.py  pydantic request and response bodies (completions, chat, tokenize), limits; every 4xx names its
+                 field in the OpenAI error shape.
+    chat.py      chat templates (`chat_template.jinja` or tokenizer_config.json), rendered in jinja2's sandbox.
+    server.py    `create_app(engine, ...)` (FastAPI/uvicorn): /v1/completions and /v1/chat/completions (SSE per
+                 committed block), /v1/models, /tokenize, /detokenize, /version, /health, /metrics; API key
+                 middleware; body limits; graceful drain; `ServerThread` for tests.
+    metrics.py   prometheus_client registry per server: vLLM's series names plus the diffusion ones.
     loadgen.py   open-loop Poisson / replayed arrivals, TTFT, equivalent ITL per block commit, P50/P95/P99, plots.
     cli.py       `dblock serve`, `dblock loadgen`.
 
-Only `engine` is imported here; the server needs the `serve` extra (fastapi, uvicorn, httpx).
+Only `engine` is exported here (imported on first use); the server needs the `serve` extra (fastapi, uvicorn,
+httpx, pydantic, prometheus_client, jinja2).
 """
-from dblock.serving.engine import Engine, EngineConfig, EngineRequest, Rejected, footprint, offline_tokens
+
+
+def __getattr__(name):
+    """The engine imports torch: loaded on first use, so `dblock serve --help` stays light."""
+    if name in __all__:
+        from dblock.serving import engine
+        return getattr(engine, name)
+    raise AttributeError(f"module 'dblock.serving' has no attribute {name!r}")
+
 
 __all__ = ["Engine", "EngineConfig", "EngineRequest", "Rejected", "footprint", "offline_tokens"]

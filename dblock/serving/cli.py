@@ -8,6 +8,9 @@ import json
 import os
 import sys
 
+from dblock.cli_args import (add_decode_args, add_executor_args, add_model_args, decode_config, load_model,
+                             load_tokenizer, make_forward)
+
 API_KEY_ENV = "DBLOCK_API_KEY"
 
 
@@ -22,12 +25,12 @@ def _floats(text: str) -> list[float]:
 
 
 def add_parser(subparsers) -> None:
-    from dblock.cli import add_decode_args, add_executor_args, add_model_args
-
     p = subparsers.add_parser("serve", help="OpenAI-compatible server: continuous batching at pass granularity",
-                              description="Serve a model over HTTP: POST /v1/completions (streams committed blocks "
-                                          "as server-sent events), GET /health, GET /metrics (Prometheus), "
-                                          "GET /v1/models. Binds 127.0.0.1 unless told otherwise.")
+                              description="Serve a model over HTTP, OpenAI-compatible: POST /v1/completions and "
+                                          "/v1/chat/completions (stream committed blocks as server-sent events), "
+                                          "GET /v1/models, POST /tokenize and /detokenize, GET /version, GET /health, "
+                                          "GET /metrics (Prometheus). Binds 127.0.0.1 unless told otherwise.")
+    p.set_defaults(_run=_serve)
     add_model_args(p)
     add_decode_args(p)
     add_executor_args(p)
@@ -40,6 +43,9 @@ def add_parser(subparsers) -> None:
     g.add_argument("--allow-unauthenticated", action="store_true",
                    help="allow binding a non-loopback address without an API key")
     g.add_argument("--served-model-name", default=None, help="model name in responses (default: the --model value)")
+    g.add_argument("--chat-template", default=None, metavar="PATH_OR_STRING",
+                   help="Jinja chat template for /v1/chat/completions: a file or the template text (default: the "
+                        "model folder's chat_template.jinja, else tokenizer_config.json's chat_template)")
     g.add_argument("--max-batch", type=int, default=16, help="most requests in one pass (batch cap; default 16)")
     g.add_argument("--max-queue", type=int, default=256,
                    help="most requests waiting for admission; beyond it 429 (default 256)")
@@ -57,6 +63,7 @@ def add_parser(subparsers) -> None:
     lg = subparsers.add_parser("loadgen", help="Poisson load generator: throughput, TTFT, P50/P95/P99 ITL",
                                description="Open-loop load against OpenAI-compatible /v1/completions servers. "
                                            "Equivalent ITL per block commit = block time / tokens committed.")
+    lg.set_defaults(_run=_loadgen)
     lg.add_argument("--url", action="append", default=None, metavar="[LABEL=]URL",
                     help="server base URL, e.g. http://127.0.0.1:8000 (repeat for several servers side by side)")
     lg.add_argument("--rate", type=float, default=None, help="Poisson arrival rate (req/s)")
@@ -80,10 +87,6 @@ def add_parser(subparsers) -> None:
                     help="plot/print saved loadgen JSON results instead of running")
 
 
-def main(args) -> int:
-    return {"serve": _serve, "loadgen": _loadgen}[args.command](args)
-
-
 # ---- serve ---------------------------------------------------------------------------------------------------
 
 def check_bind(host: str, api_key, allow_unauthenticated: bool) -> None:
@@ -95,8 +98,8 @@ def check_bind(host: str, api_key, allow_unauthenticated: bool) -> None:
 
 def build_server(args):
     """(app, engine, trace writer, api key) from parsed `serve` arguments; nothing is bound yet."""
-    from dblock.cli import decode_config, load_model, load_tokenizer, make_forward
     from dblock.decoding.schedules import schedule_spec
+    from dblock.serving.chat import load_chat_template
     from dblock.serving.engine import Engine, EngineConfig
     from dblock.serving.protocol import Limits
     from dblock.serving.server import create_app
@@ -125,8 +128,9 @@ def build_server(args):
                                                                       kv_budget_tokens=cfg.kv_budget_tokens))
     engine = Engine(fwd, spec, dec, cfg, trace=trace, trace_header=header)
     name = args.served_model_name or args.model
+    template = load_chat_template(getattr(model, "source", None), getattr(args, "chat_template", None))
     app = create_app(engine, tokenizer=tok, model_name=name, limits=limits, api_key=api_key,
-                     drain_timeout=args.drain_timeout)
+                     drain_timeout=args.drain_timeout, chat_template=template)
     return app, engine, trace, api_key
 
 

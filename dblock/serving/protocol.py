@@ -1,7 +1,10 @@
-"""The OpenAI `/v1/completions` request schema, validated by hand so every 4xx names the offending field.
+"""Request and response bodies of the OpenAI-compatible server, as pydantic models; every 4xx names its field.
 
-Accepted body (JSON object; unknown keys are ignored, as OpenAI-compatible servers do):
+Requests are validated strictly (no "8" for 8, no true for 1) and unknown keys are ignored, as OpenAI-compatible
+servers do. A failed validation is a 400 whose message starts with the offending parameter
+(`max_tokens: must be an integer >= 1, got 0`, `stream_options.include_usage: ...`, `messages[0].role: ...`).
 
+`/v1/completions` (`CompletionRequest`)
   prompt        string (encoded by the model folder's tokenizer.json), a list of token ids, or a list of either
                 (several prompts = several independent requests in one call, one choice each; at most `max_prompts`)
   max_tokens    integer >= 1 (default: the server's --max-new-tokens), at most `max_tokens_limit`
@@ -9,20 +12,46 @@ Accepted body (JSON object; unknown keys are ignored, as OpenAI-compatible serve
   stream        bool: server-sent events, one per committed block, then a final chunk and `data: [DONE]`
   stream_options {"include_usage": bool}
   model         optional; when given it must name the served model (else 404)
+  add_special_tokens  bool (default true), as vLLM
   n, best_of    only 1;  echo only false;  logprobs only null/0;  suffix only null;  stop only null or []
-  temperature, top_p, presence_penalty, frequency_penalty, user: accepted and ignored (decoding follows the
-                server's step rule, e.g. the greedy threshold rule of docs/algorithms.md §2.1)
+`/v1/chat/completions` (`ChatCompletionRequest`)
+  messages      non-empty list of {"role", "content": string | [{"type": "text", "text"}] | null, ...}; rendered
+                by the chat template (`chat.py`) with the generation prompt
+  max_completion_tokens | max_tokens, seed, stream, stream_options, model, n, stop: as above
+  add_generation_prompt (default true), continue_final_message (default false), chat_template_kwargs (object),
+  add_special_tokens (default false); logprobs only false, top_logprobs only null/0, tools only null/[],
+  tool_choice only null/"none"/"auto", response_format only null/{"type": "text"}; a per-request chat_template is
+  refused (start the server with --chat-template)
+Sampling fields of both are validated here but not applied yet (the engine decodes with the server's step rule,
+e.g. the greedy threshold rule of docs/algorithms.md §2.1):
+  temperature (number >= 0), top_p (number in (0, 1]), top_k (integer: -1 or 0 = off, or >= 1),
+  presence_penalty / frequency_penalty (numbers in [-2, 2]): accepted and ignored; user (string): ignored;
+  min_tokens (integer >= 0) and ignore_eos (bool): only their defaults, 0 and false, are accepted (a request ends
+  at EOS or max_tokens).
+`/tokenize` (`TokenizeRequest`): {"prompt": string, "add_special_tokens": bool (default true)} or {"messages",
+  "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens" (default false)};
+  `return_token_strs`. `/detokenize` (`DetokenizeRequest`): {"tokens": [int, ...]}.
 
-Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}} with status 400 (invalid), 401
-(authentication), 404 (unknown model or path), 413 (body too large), 429 (busy), 503 (shutting down).
+Errors are OpenAI-shaped (`ErrorResponse`): {"error": {"message", "type", "param", "code"}} with status 400
+(invalid), 401 (authentication), 404 (unknown model or path), 405 (wrong method), 413 (body too large), 422
+(validation of a framework-parsed parameter), 429 (busy), 503 (shutting down).
 """
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
+
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_serializer)
+from pydantic_core import PydanticCustomError
 
 MAX_SEED = 2 ** 63 - 1
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error", 499: "invalid_request_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -30,12 +59,11 @@ class APIError(Exception):
                  type_: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              413: "invalid_request_error", 429: "rate_limit_error",
-                              503: "service_unavailable"}.get(status, "server_error")
+        self.type = type_ or ERROR_TYPES.get(status, "server_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code)).model_dump()
 
 
 @dataclass
@@ -52,129 +80,570 @@ class Limits:
         return self
 
 
-@dataclass
-class CompletionRequest:
-    prompts: list                   # list of token-id lists
-    max_tokens: Optional[int]
-    seed: Optional[int]
-    stream: bool
-    include_usage: bool
-    model: Optional[str]
+# ---------------------------------------------------------------------------------------------------------------
+# validation errors -> one APIError naming the field
+# ---------------------------------------------------------------------------------------------------------------
 
+# error types raised by the validators below; their text is the message (pydantic's own types get the field's
+# description instead)
+_OWN = {"invalid_value", "unsupported_value", "limit_exceeded", "missing_field"}
+
+
+def _fail(code: str, message: str, param: Optional[str] = None) -> PydanticCustomError:
+    ctx = {"m": message} if param is None else {"m": message, "param": param}
+    return PydanticCustomError(code, "{m}", ctx)          # the text travels in ctx: braces in it stay literal
+
+
+def _short(x: Any) -> str:
+    try:
+        s = json.dumps(x) if not isinstance(x, str) else repr(x)
+    except (TypeError, ValueError):
+        s = repr(x)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _param(loc) -> Optional[str]:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (("." if out else "") + str(part))
+    return out or None
+
+
+def _inner_model(annotation) -> Optional[type]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        m = _inner_model(arg)
+        if m is not None:
+            return m
+    return None
+
+
+def _description(cls, loc) -> Optional[str]:
+    desc = None
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        f = cls.model_fields.get(part) if cls is not None else None
+        if f is None:
+            break
+        desc, cls = f.description, _inner_model(f.annotation)
+    return desc
+
+
+def api_error(e: ValidationError, cls) -> APIError:
+    """The first error of a pydantic validation as a 400 naming its field."""
+    err = e.errors(include_url=False)[0]
+    kind, loc, ctx = err["type"], tuple(err.get("loc", ())), err.get("ctx") or {}
+    if kind == "json_invalid":
+        return APIError(400, f"request body: not valid JSON ({ctx.get('error', err['msg'])})", None, "invalid_json")
+    if not loc:
+        return APIError(400, "request body: expected a JSON object", None, "invalid_json")
+    param = ctx.get("param") or _param(loc)
+    if kind in _OWN:
+        return APIError(400, f"{param}: {ctx.get('m', err['msg'])}", param, kind)
+    desc = _description(cls, loc) or err["msg"][:1].lower() + err["msg"][1:]
+    if kind == "missing":
+        return APIError(400, f"{param}: required; {desc}", param, "missing_field")
+    return APIError(400, f"{param}: {desc}, got {_short(err.get('input'))}", param, "invalid_value")
+
+
+def _context(info: ValidationInfo) -> dict:
+    return info.context if isinstance(info.context, dict) else {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# requests
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _f(default, description: str, **kw):
+    return Field(default, description=description, **kw)
+
+
+class StreamOptions(_Body):
+    include_usage: Optional[bool] = _f(False, "must be true or false")
+
+
+class _Sampling(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: Optional[str] = _f(None, "must be a string")
+    seed: Optional[int] = _f(None, "must be an integer in [0, 2^63)", ge=0, le=MAX_SEED)
+    stream: Optional[bool] = _f(False, "must be true or false")
+    stream_options: Optional[StreamOptions] = _f(None, "must be an object")
+    n: Optional[int] = _f(None, "must be an integer >= 1", ge=1)
+    stop: Any = _f(None, "must be a string or a list of strings")
+    temperature: Optional[float] = _f(None, "must be a number >= 0", ge=0)
+    top_p: Optional[float] = _f(None, "must be a number in (0, 1]", gt=0, le=1)
+    top_k: Optional[int] = _f(None, "must be an integer: -1 or 0 (no top-k) or >= 1", ge=-1)
+    min_tokens: Optional[int] = _f(None, "must be an integer >= 0", ge=0)
+    ignore_eos: Optional[bool] = _f(None, "must be true or false")
+    presence_penalty: Optional[float] = _f(None, "must be a number in [-2, 2]", ge=-2, le=2)
+    frequency_penalty: Optional[float] = _f(None, "must be a number in [-2, 2]", ge=-2, le=2)
+    user: Optional[str] = _f(None, "must be a string")
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v is not None and v != 1:
+            raise _fail("unsupported_value", f"only n = 1 is supported, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None or v == []:
+            return v
+        if not (isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))):
+            raise _fail("invalid_value", f"must be a string or a list of strings, got {_short(v)}")
+        raise _fail("unsupported_value", f"stop sequences are not supported (blocks end at EOS or max_tokens), "
+                                         f"got {_short(v)}")
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v):
+        if v:
+            raise _fail("unsupported_value", f"not supported yet (only 0), got {v}")
+        return v
+
+    @field_validator("ignore_eos")
+    @classmethod
+    def _ignore_eos(cls, v):
+        if v:
+            raise _fail("unsupported_value", "not supported yet (only false): a request ends at EOS or max_tokens")
+        return v
+
+    @staticmethod
+    def _check_max(v, info: ValidationInfo):
+        limits = _context(info).get("limits")
+        if v is not None and limits is not None and v > limits.max_tokens_limit:
+            raise _fail("limit_exceeded", f"{v} exceeds this server's limit of {limits.max_tokens_limit} "
+                                          "(--max-tokens-limit)")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Any = _f(None, "a string or a list of token ids", validate_default=True)
+    max_tokens: Optional[int] = _f(None, "must be an integer >= 1", ge=1)
+    best_of: Optional[int] = _f(None, "must be an integer >= 1", ge=1)
+    echo: Optional[bool] = _f(None, "must be true or false")
+    logprobs: Optional[int] = _f(None, "must be an integer >= 0", ge=0)
+    suffix: Optional[str] = _f(None, "must be a string")
+    add_special_tokens: Optional[bool] = _f(True, "must be true or false")
+    _prompt_ids: list = PrivateAttr(default_factory=list)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v, info: ValidationInfo):
+        return cls._check_max(v, info)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v is not None and v != 1:
+            raise _fail("unsupported_value", f"only best_of = 1 is supported, got {v}")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:
+            raise _fail("unsupported_value", "echo is not supported, got true")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise _fail("unsupported_value", f"logprobs are not supported, got {v}")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v is not None:
+            raise _fail("unsupported_value", f"suffix is not supported, got {_short(v)}")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, p, info: ValidationInfo):
+        limits = _context(info).get("limits") or Limits()
+        if p is None:
+            raise _fail("missing_field", "required (a string or a list of token ids)")
+        if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)):
+            return p
+        if not isinstance(p, list) or len(p) == 0:
+            raise _fail("invalid_value", "must be a string, a list of token ids, or a non-empty list of those; got "
+                        + _short(p))
+        if all(isinstance(x, (str, list)) for x in p):
+            if len(p) > limits.max_prompts:
+                raise _fail("limit_exceeded", f"{len(p)} prompts in one request; at most {limits.max_prompts}")
+            for i, x in enumerate(p):
+                if isinstance(x, list) and not all(_is_int(t) for t in x):
+                    bad = next(t for t in x if not _is_int(t))
+                    raise _fail("invalid_value", f"a token-id list must hold integers only, found {_short(bad)}",
+                                f"prompt[{i}]")
+            return p
+        bad = next(x for x in p if not _is_int(x))
+        raise _fail("invalid_value", f"a token-id list must hold integers only, found {_short(bad)}")
+
+    @property
+    def prompts(self) -> list:
+        """Token-id lists, one per prompt (set by `parse_completion`)."""
+        return self._prompt_ids
+
+
+class ChatMessage(BaseModel):
+    """One message; fields beyond role and content (name, tool_calls, ...) reach the template unchanged."""
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: str = _f(..., "must be a string such as \"system\", \"user\" or \"assistant\"", min_length=1)
+    content: Any = _f(None, "must be a string, a list of text parts, or null")
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        """Text parts are joined with newlines (vLLM's "string" content format); other kinds are refused."""
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise _fail("invalid_value", f"must be a string, a list of text parts, or null, got {_short(v)}")
+        texts = []
+        for part in v:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif isinstance(kind, str) and kind != "text":
+                raise _fail("unsupported_value", f"only text parts are supported, got a {kind!r} part")
+            else:
+                raise _fail("invalid_value", f"a part must be {{\"type\": \"text\", \"text\": string}}, got "
+                            + _short(part))
+        return "\n".join(texts)
+
+    def for_template(self) -> dict:
+        d = {k: v for k, v in self.model_dump().items() if v is not None or k == "content"}
+        return d
+
+
+class _ChatRender(_Body):
+    """What renders `messages` into a prompt (shared by chat completions and /tokenize)."""
+
+    messages: list[ChatMessage] = _f(..., "must be a non-empty list of {\"role\", \"content\"} objects", min_length=1)
+    add_generation_prompt: Optional[bool] = _f(True, "must be true or false")
+    continue_final_message: Optional[bool] = _f(False, "must be true or false")
+    chat_template_kwargs: Optional[dict[str, Any]] = _f(None, "must be an object")
+    chat_template: Optional[str] = _f(None, "must be a string")
+    add_special_tokens: Optional[bool] = _f(False, "must be true or false")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v):
+        if v is not None:
+            raise _fail("unsupported_value", "per-request chat templates are not accepted: the server renders with "
+                        "its model's template (dblock serve --chat-template)")
+        return v
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, v, info: ValidationInfo):
+        if v and info.data.get("add_generation_prompt"):
+            raise _fail("invalid_value", "continue_final_message and add_generation_prompt cannot both be true; "
+                        "send add_generation_prompt: false")
+        return v
+
+    def template_messages(self) -> list[dict]:
+        return [m.for_template() for m in self.messages]
+
+
+class ChatCompletionRequest(_ChatRender, _Sampling):
+    max_tokens: Optional[int] = _f(None, "must be an integer >= 1", ge=1)
+    max_completion_tokens: Optional[int] = _f(None, "must be an integer >= 1", ge=1)
+    logprobs: Optional[bool] = _f(None, "must be true or false")
+    top_logprobs: Optional[int] = _f(None, "must be an integer >= 0", ge=0)
+    tools: Optional[list] = _f(None, "must be a list")
+    tool_choice: Any = _f(None, "must be \"none\" or \"auto\"")
+    response_format: Optional[dict] = _f(None, "must be an object")
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _max_tokens(cls, v, info: ValidationInfo):
+        return cls._check_max(v, info)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise _fail("unsupported_value", "logprobs are not supported, got true")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if v:
+            raise _fail("unsupported_value", f"logprobs are not supported, got {v}")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        if v:
+            raise _fail("unsupported_value", "tool calling is not supported")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v not in (None, "none", "auto"):
+            raise _fail("unsupported_value", f"tool calling is not supported, got {_short(v)}")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None and v.get("type", "text") != "text":
+            raise _fail("unsupported_value", f"only {{\"type\": \"text\"}} is supported, got {_short(v)}")
+        return v
+
+    @property
+    def budget(self) -> Optional[int]:
+        """max_completion_tokens (OpenAI's current name) when given, else max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+
+    model: Optional[str] = _f(None, "must be a string")
+    prompt: Optional[str] = _f(None, "must be a string")
+    messages: Optional[list[ChatMessage]] = _f(None, "must be a non-empty list of {\"role\", \"content\"} objects",
+                                               min_length=1, validate_default=True)
+    add_special_tokens: Optional[bool] = _f(None, "must be true or false")
+    add_generation_prompt: Optional[bool] = _f(True, "must be true or false")
+    continue_final_message: Optional[bool] = _f(False, "must be true or false")
+    chat_template_kwargs: Optional[dict[str, Any]] = _f(None, "must be an object")
+    return_token_strs: Optional[bool] = _f(False, "must be true or false")
+
+    @field_validator("messages")
+    @classmethod
+    def _one_of(cls, v, info: ValidationInfo):
+        has_prompt = info.data.get("prompt") is not None
+        if (v is None) == (not has_prompt):
+            raise _fail("missing_field" if v is None else "invalid_value",
+                        "give exactly one of prompt (a string) and messages (a list)", "prompt")
+        return v
+
+    def template_messages(self) -> list[dict]:
+        return [m.for_template() for m in self.messages or []]
+
+    @property
+    def special_tokens(self) -> bool:
+        """vLLM's defaults: true for a prompt, false for messages (the template writes them)."""
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = _f(None, "must be a string")
+    tokens: list[int] = _f(..., "must be a list of token ids (integers)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# responses
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Out(BaseModel):
+    """A response body; the fields named in `_omit_if_none` are left out while None (OpenAI omits them)."""
+    _omit_if_none: ClassVar[tuple] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        d = handler(self)
+        for k in self._omit_if_none:
+            if k in d and d[k] is None:
+                del d[k]
+        return d
+
+
+class ErrorInfo(_Out):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(_Out):
+    error: ErrorInfo
+
+
+class UsageInfo(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    token_ids: list[int]                          # vLLM's return_token_ids
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(_Out):
+    _omit_if_none: ClassVar[tuple] = ('usage', 'dblock')
+    """A completion, and (with the same shape, `"object": "text_completion"`, as OpenAI) each streamed chunk."""
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+    dblock: Optional[dict] = None    # per-block / per-request decoding counters
+
+
+class ChatMessageOut(_Out):
+    role: str = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(_Out):
+    index: int
+    message: ChatMessageOut
+    token_ids: list[int]
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(_Out):
+    _omit_if_none: ClassVar[tuple] = ('dblock',)
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    dblock: Optional[dict] = None
+
+
+class DeltaMessage(_Out):
+    _omit_if_none: ClassVar[tuple] = ('role', 'content')
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionStreamChoice(_Out):
+    _omit_if_none: ClassVar[tuple] = ('token_ids',)
+    index: int
+    delta: DeltaMessage
+    token_ids: Optional[list[int]] = None
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionStreamResponse(_Out):
+    _omit_if_none: ClassVar[tuple] = ('usage', 'dblock')
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+    dblock: Optional[dict] = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "dblock"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Out):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Out):
+    _omit_if_none: ClassVar[tuple] = ('token_strs',)
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
+
+
+class VersionResponse(_Out):
+    version: str
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parsing
+# ---------------------------------------------------------------------------------------------------------------
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, f"{param}: {message}", param, code)
-
-
-def _short(x: Any) -> str:
-    s = json.dumps(x) if not isinstance(x, str) else repr(x)
-    return s if len(s) <= 40 else s[:37] + "..."
+def parse(cls, body: bytes, limits: Limits, model_names: tuple = ()):
+    """Validate a JSON body into `cls`; raise `APIError` (400 naming the field, 404 for another model)."""
+    try:
+        req = cls.model_validate_json(body, context={"limits": limits})
+    except ValidationError as e:
+        raise api_error(e, cls) from None
+    model = getattr(req, "model", None)
+    if model is not None and model_names and model not in model_names:
+        raise APIError(404, f"model: {model!r} is not served here (serving {', '.join(map(repr, model_names))})",
+                       "model", "model_not_found")
+    return req
 
 
 def parse_completion(body: bytes, limits: Limits, tokenizer=None, model_names: tuple = ()) -> CompletionRequest:
-    """Validate a `/v1/completions` body; raise `APIError` naming the field on any problem."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(400, f"request body: not valid JSON ({e})", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body: expected a JSON object", None, "invalid_json")
-
-    model = data.get("model")
-    if model is not None:
-        if not isinstance(model, str):
-            raise _bad("model", f"must be a string, got {_short(model)}")
-        if model_names and model not in model_names:
-            raise APIError(404, f"model: {model!r} is not served here (serving {', '.join(map(repr, model_names))})",
-                           "model", "model_not_found")
-
-    if "prompt" not in data or data["prompt"] is None:
-        raise _bad("prompt", "required (a string or a list of token ids)", "missing_field")
-    prompts = _prompts(data["prompt"], limits, tokenizer)
-
-    max_tokens = data.get("max_tokens")
-    if max_tokens is not None:
-        if not _is_int(max_tokens) or max_tokens < 1:
-            raise _bad("max_tokens", f"must be an integer >= 1, got {_short(max_tokens)}")
-        if max_tokens > limits.max_tokens_limit:
-            raise _bad("max_tokens", f"{max_tokens} exceeds this server's limit of {limits.max_tokens_limit} "
-                       "(--max-tokens-limit)", "limit_exceeded")
-    seed = data.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
-        raise _bad("seed", f"must be an integer in [0, 2^63), got {_short(seed)}")
-    stream = data.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise _bad("stream", f"must be true or false, got {_short(stream)}")
-    include_usage = False
-    so = data.get("stream_options")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise _bad("stream_options", f"must be an object, got {_short(so)}")
-        iu = so.get("include_usage", False)
-        if not isinstance(iu, bool):
-            raise _bad("stream_options.include_usage", f"must be true or false, got {_short(iu)}")
-        include_usage = iu
-    for key, ok, what in (("n", lambda v: v == 1, "only n = 1 is supported"),
-                          ("best_of", lambda v: v == 1, "only best_of = 1 is supported"),
-                          ("echo", lambda v: v is False, "echo is not supported"),
-                          ("logprobs", lambda v: v == 0 and not isinstance(v, bool), "logprobs are not supported"),
-                          ("suffix", lambda v: False, "suffix is not supported"),
-                          ("stop", lambda v: v == [], "stop sequences are not supported (blocks end at EOS or "
-                                                      "max_tokens)")):
-        if data.get(key) is not None and not ok(data[key]):
-            raise _bad(key, f"{what}, got {_short(data[key])}", "unsupported_value")
-    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        v = data.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise _bad(key, f"must be a number, got {_short(v)}")
-    return CompletionRequest(prompts, max_tokens, seed, stream, include_usage, model)
+    """Validate a `/v1/completions` body and tokenize its prompts (`.prompts`); raise `APIError` naming the field."""
+    req = parse(CompletionRequest, body, limits, model_names)
+    p = req.prompt
+    if isinstance(p, str) or all(_is_int(t) for t in p):
+        req._prompt_ids = [encode(p, "prompt", limits, tokenizer, req.add_special_tokens)]
+    else:
+        req._prompt_ids = [encode(x, f"prompt[{i}]", limits, tokenizer, req.add_special_tokens)
+                           for i, x in enumerate(p)]
+    return req
 
 
-def _prompts(p: Any, limits: Limits, tokenizer) -> list:
-    if isinstance(p, str):
-        return [_one(p, "prompt", limits, tokenizer)]
-    if not isinstance(p, list) or len(p) == 0:
-        raise _bad("prompt", f"must be a string, a list of token ids, or a non-empty list of those; got {_short(p)}")
-    if all(_is_int(t) for t in p):
-        return [_one(p, "prompt", limits, tokenizer)]
-    if all(isinstance(x, (str, list)) for x in p):
-        if len(p) > limits.max_prompts:
-            raise _bad("prompt", f"{len(p)} prompts in one request; at most {limits.max_prompts}", "limit_exceeded")
-        return [_one(x, f"prompt[{i}]", limits, tokenizer) for i, x in enumerate(p)]
-    bad = next(x for x in p if not _is_int(x))
-    raise _bad("prompt", f"a token-id list must hold integers only, found {_short(bad)}")
-
-
-def _one(x: Any, param: str, limits: Limits, tokenizer) -> list:
+def encode(x: Any, param: str, limits: Limits, tokenizer, add_special_tokens: bool = True) -> list:
+    """A prompt (text through tokenizer.json, or token ids) -> token ids within the prompt limit, or `APIError`."""
     if isinstance(x, str):
         if tokenizer is None:
-            raise _bad(param, "this model folder has no tokenizer.json: send token ids (a list of integers)",
-                       "no_tokenizer")
+            raise APIError(400, f"{param}: this model folder has no tokenizer.json: send token ids (a list of "
+                           "integers)", param, "no_tokenizer")
         if len(x) == 0:
-            raise _bad(param, "empty string")
+            raise APIError(400, f"{param}: empty string", param, "invalid_value")
         if len(x) > 16 * limits.max_prompt_tokens:     # bound the tokenizer's work before counting tokens
-            raise _bad(param, f"{len(x)} characters; at most {limits.max_prompt_tokens} tokens are accepted "
-                       "(--max-prompt-tokens)", "limit_exceeded")
+            raise APIError(400, f"{param}: {len(x)} characters; at most {limits.max_prompt_tokens} tokens are "
+                           "accepted (--max-prompt-tokens)", param, "limit_exceeded")
         try:
-            ids = list(tokenizer.encode(x).ids)
+            ids = list(tokenizer.encode(x, add_special_tokens=bool(add_special_tokens)).ids)
         except Exception as e:
-            raise _bad(param, f"cannot be tokenized ({type(e).__name__}: {e})") from None
-    elif isinstance(x, list):
-        if not all(_is_int(t) for t in x):
-            bad = next(t for t in x if not _is_int(t))
-            raise _bad(param, f"a token-id list must hold integers only, found {_short(bad)}")
-        ids = list(x)
+            raise APIError(400, f"{param}: cannot be tokenized ({type(e).__name__}: {e})", param,
+                           "invalid_value") from None
     else:
-        raise _bad(param, f"must be a string or a list of token ids, got {_short(x)}")
+        ids = list(x)
     if len(ids) == 0:
-        raise _bad(param, "empty: give at least one token")
+        raise APIError(400, f"{param}: empty: give at least one token", param, "invalid_value")
     if len(ids) > limits.max_prompt_tokens:
-        raise _bad(param, f"{len(ids)} tokens exceeds this server's limit of {limits.max_prompt_tokens} "
-                   "(--max-prompt-tokens)", "limit_exceeded")
+        raise APIError(400, f"{param}: {len(ids)} tokens exceeds this server's limit of {limits.max_prompt_tokens} "
+                       "(--max-prompt-tokens)", param, "limit_exceeded")
     return ids

@@ -1,6 +1,6 @@
 """`dblock simulate oba|alpha|pass|serve|search|calibrate ...` — thin: parse, call the library, print.
 
-The lead's `dblock/cli.py` calls `add_parser(subparsers)` and, for the `simulate` command, `main(args)`.
+`dblock/cli.py` calls `add_parser(subparsers)`; each `simulate` subcommand runs its `set_defaults(_run=...)` function.
 Errors are `ValueError`s with one clear message; the top-level CLI prints them as one line.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     o = sub.add_parser("oba", help="OBA recurrence: fixed point, transient, TPS ratio and break-even")
     common(o)
+    o.set_defaults(_run=_oba)
     o.add_argument("--nbar", type=float, default=None, help="Native passes per block n̄ (default: the paper's 13.1)")
     o.add_argument("--alpha", type=float, default=0.54, help="passes saved per warm-up step α (default 0.54)")
     o.add_argument("--r", type=float, default=1.26, help="pass-cost ratio r of the paired pass (default 1.26)")
@@ -48,6 +49,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     a = sub.add_parser("alpha", help="fit α from counters or traces, or predict it with the position model")
     common(a)
+    a.set_defaults(_run=_alpha)
     a.add_argument("--F", type=float, help="denoising passes ΣF of the schedule's run")
     a.add_argument("--K", type=float, help="blocks ΣK (omit to use Eq. 4 from --Y and --block)")
     a.add_argument("--Y", type=float, help="generated tokens ΣY (for Eq. 4)")
@@ -60,6 +62,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     ps = sub.add_parser("pass", help="roofline cost of one pass, r of each layout, memory/OOM, Epoch vs dense")
     common(ps)
+    ps.set_defaults(_run=_pass)
     ps.add_argument("--model", default="llada2-mini", help="llada2-mini, llada-moe-7b, or a model folder")
     ps.add_argument("--hardware", default="h100", help="h100, h200, b200, gb300, a100, cpu or a profile .json")
     ps.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks (default 8)")
@@ -74,6 +77,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="SimPy serving model: P95 ITL, TTFT, throughput vs request rate")
     common(sv)
+    sv.set_defaults(_run=_serve)
     _serve_args(sv)
     sv.add_argument("--rates", default="6,10,14,18,22,26", help="comma-separated Poisson rates (req/s)")
     sv.add_argument("--arrivals", default=None,
@@ -82,6 +86,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     se = sub.add_parser("search", help="highest request rate holding a P95 ITL SLO, and the best batch cap")
     common(se)
+    se.set_defaults(_run=_search)
     _serve_args(se)
     se.add_argument("--slo", type=float, required=True, help="P95 equivalent ITL objective (seconds)")
     se.add_argument("--caps", default="32,64,128,256,512", help="batch caps to try (comma-separated)")
@@ -89,6 +94,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     ca = sub.add_parser("calibrate", help="measure the CPU profile, or calibrate on traces and predict held-out runs")
     common(ca)
+    ca.set_defaults(_run=_calibrate)
     ca.add_argument("traces", nargs="*", help="JSON-lines traces to calibrate on (one Native run at least)")
     ca.add_argument("--cpu", action="store_true", help="measure matmul and memory-stream rates here; write a profile")
     ca.add_argument("--out", default=None, help="where --cpu writes its profile (default ~/.cache/dblock/)")
@@ -150,9 +156,8 @@ def _jsonable(o):
 
 
 def main(args) -> int:
-    cmd = args.sim_command
-    return {"oba": _oba, "alpha": _alpha, "pass": _pass, "serve": _serve, "search": _search,
-            "calibrate": _calibrate}[cmd](args)
+    """Run a parsed `simulate` subcommand (what `dblock.cli.main` does, without its error handling)."""
+    return args._run(args)
 
 
 # ---- sub-commands --------------------------------------------------------------------------------------------

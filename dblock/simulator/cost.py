@@ -45,9 +45,10 @@ sampler) and the dense MoE dispatch buffers.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, replace
 
-from dblock.config import ModelConfig, llada_config_from_dict
+from dblock.config import ModelConfig, family_of, llada_config_from_dict, read_json
 from dblock.simulator.hardware import Hardware
 
 LAYOUTS = ("native", "oba", "dense_mask", "native2c")
@@ -62,15 +63,15 @@ def llada2_mini() -> ModelConfig:
         num_experts_per_tok=8, num_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
         first_k_dense_replace=1, score_function="sigmoid", moe_router_enable_expert_bias=True, norm_topk_prob=True,
         use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=600000, rms_norm_eps=1e-6,
-        max_position_embeddings=32768, pad_token_id=156892), "LLaDA2.0-mini (model spec)")
+        max_position_embeddings=32768, pad_token_id=156892), "LLaDA2.0-mini (docs/models.md)")
 
 
 def llada_moe_7b() -> ModelConfig:
-    """LLaDA-MoE-7B-A1B from the model spec §1 (every layer MoE, no shared expert)."""
+    """LLaDA-MoE-7B-A1B from docs/models.md (every layer MoE, no shared expert)."""
     return llada_config_from_dict(dict(
         model_type="llada", vocab_size=157184, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, expert_intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
-        rope_theta=50000, max_position_embeddings=8192, qk_layernorm=True), "LLaDA-MoE-7B (model spec)")
+        rope_theta=50000, max_position_embeddings=8192, qk_layernorm=True), "LLaDA-MoE-7B (docs/models.md)")
 
 
 MODELS = {"llada2-mini": llada2_mini, "llada-moe-7b": llada_moe_7b}
@@ -80,13 +81,11 @@ def get_model(name_or_path: str) -> ModelConfig:
     """A named model (llada2-mini, llada-moe-7b) or a folder / config.json read with dblock.config.load_config."""
     if name_or_path in MODELS:
         return MODELS[name_or_path]()
-    import os
-    from dblock.config import family_of, read_json
     if not os.path.exists(name_or_path):
         raise ValueError(f"model {name_or_path!r}: not a known name ({', '.join(MODELS)}) nor a path")
     path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
     d = read_json(path)
-    # checked before building: load_config would import the Gemma reference model, which the simulator must not
+    # checked on the model_type, before its config is read: a DiffusionGemma config is refused as such
     if family_of(d, path) == "diffusion_gemma":
         raise ValueError(f"model {name_or_path!r}: the cost model covers the LLaDA families only (diffusion_gemma "
                          "is not modelled yet)")

@@ -1,4 +1,4 @@
-"""SimPy model of block-diffusion decoding under Native, OBA and FlowBlock for a population of requests (item 2).
+"""SimPy model of block-diffusion decoding under Native, OBA and FlowBlock for a population of requests.
 
 The unit of work is a denoising pass. Each request is a SimPy process that, block by block, holds the device for
 one pass at a time; a pass costs `t_pass` (Native, C positions) or `r · t_pass` when it carries a warm-up block

@@ -16,7 +16,7 @@ import json
 import os
 import platform
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -148,25 +148,9 @@ def write_card(folder: str, card: dict) -> None:
         os.replace(tmp, os.path.join(folder, fname))
 
 
-def run_eval_command(cmd: str) -> dict:
-    """Run a `dblock eval ...` command line in-process (exactly what the shell would run) and return its JSON."""
-    import contextlib
-    import io
-    import shlex
-
-    from dblock.cli import main
-    argv = shlex.split(cmd)
-    if argv[:2] != ["dblock", "eval"]:
-        raise ValueError(f"{cmd!r}: not a `dblock eval` command")
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = main(argv[1:] + ["--json"])
-    if rc != 0:
-        raise RuntimeError(f"{cmd!r} exited with {rc}")
-    return json.loads(buf.getvalue().strip().splitlines()[-1])
-
-
-def make_card(model: str, summary_path: str, task: Optional[str], n: int, name: Optional[str] = None) -> dict:
+def make_card(model: str, summary_path: str, task: Optional[str], n: int, run_eval: Callable[[str], dict],
+              name: Optional[str] = None) -> dict:
+    """Evaluate `model` with `run_eval("dblock eval ...")` (the CLI's in-process runner) and write its card."""
     from dblock.weights import resolve_model_path
 
     folder = resolve_model_path(model)
@@ -183,7 +167,7 @@ def make_card(model: str, summary_path: str, task: Optional[str], n: int, name: 
         raise ValueError(f"--task {task}: the model was trained on {summary['config']['task']!r}")
     name = name or os.path.basename(os.path.normpath(folder))
     cmd = f"dblock eval --model {folder} --task {task} --n {n}"
-    r = run_eval_command(cmd)
+    r = run_eval(cmd)
     card = build_card(name, summary, r, n)
     write_card(folder, card)
     return card

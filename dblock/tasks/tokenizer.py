@@ -13,6 +13,12 @@ The `arith` task uses the digits, `+ = > : ;`, space and `r e v`; the rest is sp
 tokens are also recognised when written literally inside a string (as the `tokenizers` library does for added
 tokens), e.g. `encode("12<eos>") == [5, 6, 1]`.
 
+User text goes through `encode_prompt(tok, text, allow_special=False)` instead (the CLI's prompts; the server can
+call it too): there the literal spelling of a special token is plain text unless the caller opts in, as with the
+`tokenizers` library's `Tokenizer.encode_special_tokens` (Hugging Face's `split_special_tokens`), so a prompt that
+says `<eos>` cannot end its own completion. It works on a `tokenizers.Tokenizer`, a `CharTokenizer` or an adapter
+holding one in `.hf`, and raises `PromptError` naming the prompt, the character and its position.
+
 `save(dir)` writes `dir/tokenizer.json` in the Hugging Face `tokenizers` format (a `WordLevel` model over single
 characters, a `Split(".", isolated)` pre-tokenizer, the specials registered as special added tokens, a `Fuse`
 decoder) and a `tokenizer_config.json` naming the special tokens (so `transformers.AutoTokenizer` loads it too),
@@ -24,8 +30,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Iterable
+
+from dblock.errors import DblockError
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<mask>")
 PAD_ID, EOS_ID, BOS_ID, MASK_ID = 0, 1, 2, 3
@@ -113,3 +122,156 @@ class CharTokenizer:
         if bad:
             raise ValueError(f"{path}: not a character vocabulary (multi-character tokens {bad[:5]})")
         return cls(vocab)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# user text -> token ids
+# ---------------------------------------------------------------------------------------------------------------
+
+class PromptError(DblockError, ValueError):
+    """A text prompt that cannot be encoded as asked: empty, too long, a character outside the vocabulary, or text
+    that would produce a control token. The message names the prompt, the character and its position."""
+
+
+_COPIES: dict = {}                # (id(tok), allow_special) -> (tok, copy): tokenizers prepared for prompts
+_COPIES_LOCK = threading.Lock()
+_COPIES_MAX = 16
+
+
+def _prompt_tokenizer(tok, allow_special: bool):
+    """A private copy of a `tokenizers.Tokenizer` for prompts: no truncation, no padding (a too-long prompt is
+    refused, never cut), and `encode_special_tokens = not allow_special` (literal special-token text split into
+    ordinary tokens). A copy, so the caller's tokenizer is never mutated while other threads use it."""
+    key = (id(tok), bool(allow_special))
+    with _COPIES_LOCK:
+        hit = _COPIES.get(key)
+        if hit is not None and hit[0] is tok:
+            return hit[1]
+    from tokenizers import Tokenizer
+    copy = Tokenizer.from_str(tok.to_str())
+    copy.no_truncation()
+    copy.no_padding()
+    copy.encode_special_tokens = not allow_special
+    with _COPIES_LOCK:
+        if len(_COPIES) >= _COPIES_MAX:
+            _COPIES.pop(next(iter(_COPIES)))
+        _COPIES[key] = (tok, copy)
+    return copy
+
+
+def _special_tokens(tok) -> dict:
+    """{id: text} of the tokenizer's special added tokens."""
+    if isinstance(tok, CharTokenizer):
+        return {tok.token_to_id[s]: s for s in SPECIAL_TOKENS}
+    try:
+        return {int(i): t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    except AttributeError:   # an older tokenizers without get_added_tokens_decoder
+        return {}
+
+
+def _short(text: str, at: int, width: int = 24) -> str:
+    lo = max(0, at - width // 2)
+    piece = text[lo:lo + width]
+    return ("..." if lo else "") + piece + ("..." if lo + width < len(text) else "")
+
+
+def _unencodable(text: str, encode_one, skip: tuple, name: str, specials: dict, allow_special: bool,
+                 opt_in: str, detail: str) -> PromptError:
+    """The error for text the tokenizer refused: the first character it cannot encode on its own, with its position
+    (`skip`: literal spellings matched whole, passed over)."""
+    i = 0
+    while i < len(text):
+        hit = next((s for s in skip if s and text.startswith(s, i)), None)
+        if hit is not None:
+            i += len(hit)
+            continue
+        ch = text[i]
+        try:
+            ok = bool(encode_one(ch))
+        except Exception:
+            ok = False
+        if not ok:
+            msg = (f"{name}: character {ch!r} at position {i} (in {_short(text, i)!r}) is not in the tokenizer's "
+                   "vocabulary, which has no unknown token")
+            spelled = next((s for s in specials.values() if s and ch in s and s in text), None)
+            if spelled is not None and not allow_special:
+                msg += (f"; {spelled!r} is a special token and prompt text stays plain text (opt in with {opt_in} "
+                        "to use it as the control token)")
+            return PromptError(msg)
+        i += 1
+    return PromptError(f"{name}: cannot be tokenized ({detail})")
+
+
+def encode_prompt(tok, text: str, allow_special: bool = False, *, add_special_tokens: bool = True,
+                  control_ids: Iterable[int] = (), max_chars: int | None = None, name: str = "prompt",
+                  opt_in: str = "allow_special=True") -> list[int]:
+    """User text -> token ids, never a control token the user did not ask for.
+
+    `tok`: a `tokenizers.Tokenizer`, a `CharTokenizer`, or an object holding one in `.hf` (the tasks' adapter).
+    `allow_special` False (default): the literal text of a special token (`<eos>`, `<mask>`, `<pad>`, `<bos>`, ...)
+    is encoded as ordinary characters (`tokenizers`' `encode_special_tokens`; vLLM and Hugging Face's
+    `split_special_tokens` do the same), and any result id that is a special added token or in `control_ids` (the
+    model's mask/EOS/pad/BOS ids) is refused. True: special-token text becomes the special token (the
+    `tokenizers` default). `add_special_tokens`: let the tokenizer's post-processor add its template tokens (a BOS),
+    which are not from the text. `max_chars`: refuse longer text before tokenizing it. `name` names the prompt in
+    errors (`--prompt [0]`, `prompt[1]`); `opt_in` names the caller's way to set `allow_special`.
+
+    Raises `PromptError` (a `DblockError` and `ValueError`): empty text, too long, a character outside the vocabulary
+    (named, with its 0-based position), or text that encodes to a control token.
+    """
+    if hasattr(tok, "hf") and not isinstance(tok, CharTokenizer):
+        tok = tok.hf
+    if not isinstance(text, str):
+        raise PromptError(f"{name}: expected text, got {type(text).__name__}")
+    if text == "":
+        raise PromptError(f"{name}: empty text: give at least one character")
+    if max_chars is not None and len(text) > max_chars:
+        raise PromptError(f"{name}: {len(text)} characters; at most {max_chars} are accepted (the model's positions "
+                          "bound the prompt)")
+    specials = _special_tokens(tok)
+    control = set(specials) | {int(i) for i in control_ids}
+    if isinstance(tok, CharTokenizer):
+        ids, offsets = [], []
+        pieces = _SPECIAL_RE.split(text) if allow_special else [text]
+        pos = 0
+        for piece in pieces:
+            if allow_special and piece in SPECIAL_TOKENS:
+                ids.append(tok.token_to_id[piece])
+                offsets.append((pos, pos + len(piece)))
+                pos += len(piece)
+                continue
+            for ch in piece:
+                tid = tok.token_to_id.get(ch)
+                if tid is None or tid < len(SPECIAL_TOKENS):
+                    raise _unencodable(text, lambda c: tok.token_to_id.get(c, -1) >= len(SPECIAL_TOKENS),
+                                       SPECIAL_TOKENS if allow_special else (), name, specials, allow_special,
+                                       opt_in, "not in the vocabulary")
+                ids.append(tid)
+                offsets.append((pos, pos + 1))
+                pos += 1
+    else:
+        enc_tok = _prompt_tokenizer(tok, allow_special)
+        try:
+            enc = enc_tok.encode(text, add_special_tokens=False)
+        except Exception as e:
+            skip = tuple(sorted(specials.values(), key=len, reverse=True)) if allow_special else ()
+            raise _unencodable(text, lambda c: enc_tok.encode(c, add_special_tokens=False).ids, skip, name,
+                               specials, allow_special, opt_in,
+                               (str(e).splitlines() or [type(e).__name__])[0]) from None
+        ids, offsets = list(enc.ids), list(enc.offsets)
+        if add_special_tokens and enc_tok.post_processor is not None:
+            post = enc_tok.post_process(enc, None, True)
+            ids, offsets, added = list(post.ids), list(post.offsets), list(post.special_tokens_mask)
+        else:
+            added = [0] * len(ids)
+    if not allow_special:
+        for j, t in enumerate(ids):
+            if t in control and not (not isinstance(tok, CharTokenizer) and added[j]):
+                a, b = offsets[j] if j < len(offsets) else (0, 0)
+                label = specials.get(t) or (tok.vocab[t] if isinstance(tok, CharTokenizer) else tok.id_to_token(t))
+                raise PromptError(f"{name}: the text {text[a:b]!r} at position {a} encodes to the control token "
+                                  f"{label!r} (id {t}); prompt text cannot produce control tokens (opt in with "
+                                  f"{opt_in})")
+    if not ids:
+        raise PromptError(f"{name}: {text[:40]!r} encodes to no tokens")
+    return ids

@@ -42,6 +42,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -315,9 +316,16 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
 
 
 def _atomic_save(obj, path: str) -> None:
+    """torch.save to `path`.tmp, then renamed over `path`; on any failure (a full disk) the .tmp is removed and
+    `path` keeps the previous checkpoint."""
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def save_state(path: str, model, opt, cfg: TrainConfig, step: int, total: Optional[int], elapsed: float,
@@ -345,11 +353,19 @@ def reproduce_command(cfg: TrainConfig, total: int) -> str:
 # the loop
 # ---------------------------------------------------------------------------------------------------------------
 
-def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = None, log=print) -> dict:
+def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = None, log=print,
+          overwrite: bool = False) -> dict:
     """Train (or resume) and write DIR/train_state.pt plus the HF folder in DIR. Returns the run summary.
 
     `stop_after`: stop (with a checkpoint, without the final export) once this many steps are done -- for tests
     of resumption and for splitting a long run.
+
+    The output folder DIR (`cfg.out`): a new run needs it missing or empty -- a folder holding anything is an
+    OutputExistsError before any compute -- unless `overwrite=True`. Then the run works in a hidden folder beside
+    DIR (`.dblock-train-*`) and replaces DIR as a whole only when it ends (export, or `stop_after`'s checkpoint);
+    if it fails or is interrupted, that folder is deleted and DIR is as it was. `resume` continues in DIR itself
+    (with `overwrite` it is a ConfigError). The final export replaces DIR all or nothing (`export`): no old file of
+    the folder's weights or tokenizer survives beside the new ones.
     """
     if cfg.family not in ("llada2_moe", "diffusion_gemma"):
         raise ValueError(f"--family {cfg.family}: train-tiny supports llada2_moe, diffusion_gemma")
@@ -361,9 +377,34 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
         raise ValueError("--steps and --minutes must be positive")
     if cfg.batch_size <= 0:
         raise ValueError("--batch-size must be positive")
+    run_dir, staged = _run_folder(cfg.out, resume, overwrite)
+    try:
+        return _train(cfg, resume, stop_after, log, run_dir, staged)
+    except BaseException:
+        if staged:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _run_folder(out: str, resume: bool, overwrite: bool) -> tuple:
+    """(the folder the run writes its checkpoints in, whether it is a staging folder beside `out`)."""
+    from dblock.errors import ConfigError
+    from dblock.weights import check_out_dir, new_dir
+    if resume:
+        if overwrite:
+            raise ConfigError(f"--overwrite with --resume: --resume continues the run in {out}, --overwrite "
+                              "would replace it; give one of them")
+        return out, False
+    if check_out_dir(out, overwrite):      # holds something, and overwrite=True
+        parent = os.path.dirname(os.path.abspath(out))
+        return new_dir(parent, ".dblock-train-"), True
+    os.makedirs(out, exist_ok=True)
+    return out, False
+
+
+def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_dir: str, staged: bool) -> dict:
     torch.set_num_threads(max(1, cfg.threads))
-    os.makedirs(cfg.out, exist_ok=True)
-    state_path = os.path.join(cfg.out, STATE_FILE)
+    state_path = os.path.join(run_dir, STATE_FILE)
     tok = CharTokenizer()
 
     step, total, elapsed_before, history = 0, cfg.steps, 0.0, []
@@ -469,20 +510,53 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
                                                            round(float(layer.mlp.expert_bias.max()), 4)]
                                                           for layer in model.layers if layer.is_moe]}
     if total is not None and step >= total:
-        export(model, cfg.out, tok)
-        with open(os.path.join(cfg.out, SUMMARY_FILE), "w") as f:
-            json.dump({**summary, "history": history}, f, indent=1)
+        # DIR holds this run's checkpoint (a staging run: nothing of the old DIR is carried)
+        export(model, cfg.out, tok, extra={SUMMARY_FILE: json.dumps({**summary, "history": history}, indent=1)},
+               carry_from=run_dir, overwrite=True)
+        if staged:
+            shutil.rmtree(run_dir, ignore_errors=True)
         log(f"train-tiny: done, {step} steps in {elapsed / 60:.1f} min; wrote {cfg.out} "
             f"(reproduce: {summary['reproduce']})")
+    elif staged:                      # stopped early: the checkpoint alone replaces DIR
+        from dblock.weights import publish
+        publish(run_dir, cfg.out, overwrite=True)
     return summary
 
 
-def export(model, out: str, tok: CharTokenizer) -> None:
-    """The HF folder: config.json + model.safetensors (dblock.save) and tokenizer.json (+ tokenizer_config.json)."""
-    from dblock.weights import save
-    if model.config.family == "diffusion_gemma":
-        from dblock.tasks.train_uniform import export_gemma
-        return export_gemma(model, out, tok)
+def _is_weights(name: str) -> bool:
+    return name.endswith(".safetensors") or name == "model.safetensors.index.json"
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def export(model, out: str, tok: CharTokenizer, extra: Optional[dict] = None, carry_from: Optional[str] = None,
+           overwrite: bool = False) -> None:
+    """The HF folder `out`, written all or nothing (`dblock.weights.staged_folder`): config.json + model.safetensors
+    (+ the files transformers reads, e.g. DiffusionGemma's generation_config.json), tokenizer.json +
+    tokenizer_config.json and `extra` ({name: text}).
+
+    `carry_from`: a folder whose other entries (the run's train_state.pt, a model card) are carried into the new
+    folder -- never weights (*.safetensors, the index) nor anything the export writes itself, nor *.tmp leftovers.
+    `out` must be missing or empty unless `overwrite` (then the whole folder is replaced)."""
+    from dblock.tiny import hf_files
+    from dblock.weights import staged_folder, write_model
     model.eval()
-    save(model, out)
-    tok.save(out)
+    with staged_folder(out, overwrite) as tmp:
+        write_model(model, tmp, extra_files={**hf_files(model), **(extra or {})})
+        tok.save(tmp)
+        if carry_from is not None and os.path.isdir(carry_from):
+            for name in sorted(os.listdir(carry_from)):
+                src, dst = os.path.join(carry_from, name), os.path.join(tmp, name)
+                if _is_weights(name) or name.endswith(".tmp") or os.path.lexists(dst):
+                    continue
+                if os.path.islink(src):
+                    os.symlink(os.readlink(src), dst)
+                elif os.path.isdir(src):
+                    shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+                else:
+                    _link_or_copy(src, dst)

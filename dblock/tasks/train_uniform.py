@@ -52,7 +52,7 @@ T_EPS = 1e-3         # t ~ U(T_EPS, 1 - T_EPS)
 
 
 def gemma_config(size: str = "base", block_size: int = 16, tokenizer: Optional[CharTokenizer] = None):
-    from dblock.reference.gemma import GemmaConfig, TINY_VISION, default_rope_parameters
+    from dblock.reference.gemma_config import GemmaConfig, TINY_VISION, default_rope_parameters
     if size not in GEMMA_SIZES:
         raise ValueError(f"--size {size!r}: allowed {', '.join(GEMMA_SIZES)}")
     tok = tokenizer or CharTokenizer()
@@ -66,7 +66,7 @@ def init_gemma_weights(model, seed: int, std: float = 0.02) -> None:
     """N(0, std) matrices and embedding (tied LM head), output projections scaled by 1/sqrt(2 n_layers), norms and
     router scales 1, layer scalars 1. A tiny random vision tower rides along (never used) so transformers can load
     the folder."""
-    from dblock.reference.gemma import tiny_vision_weights
+    from dblock.reference.gemma_tiny import tiny_vision_weights
     g = torch.Generator().manual_seed(seed)
     n = model.config.num_hidden_layers
     with torch.no_grad():
@@ -86,11 +86,11 @@ def build_gemma(cfg):
     return model
 
 
-def export_gemma(model, out: str, tok: CharTokenizer) -> None:
-    from dblock.reference.gemma import save_gemma
-    model.eval()
-    save_gemma(model, out)
-    tok.save(out)
+def export_gemma(model, out: str, tok: CharTokenizer, **kw) -> None:
+    """The HF folder of a trained DiffusionGemma: `dblock.tasks.train.export` (all or nothing; generation_config.json
+    beside the weights so transformers stops and pads as dblock does; the tokenizer)."""
+    from dblock.tasks.train import export
+    export(model, out, tok, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------------------

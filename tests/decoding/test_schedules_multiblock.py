@@ -57,7 +57,7 @@ def test_warmup_half_sees_the_current_block_as_if_committed_llada2():
 
 
 def test_paired_block_proposition_diffusion_gemma():
-    from dblock.reference.gemma import make_tiny_gemma
+    from dblock.reference.gemma_tiny import make_tiny_gemma
     m = make_tiny_gemma(seed=2, dtype=torch.float64)
     fwd = reference_forward(m)
     C = m.config.block_size
@@ -157,7 +157,7 @@ def test_warmup_clock_holds_before_max_steps():
 
 @pytest.fixture(scope="module")
 def gemma():
-    from dblock.reference.gemma import make_tiny_gemma
+    from dblock.reference.gemma_tiny import make_tiny_gemma
     return make_tiny_gemma(seed=4)
 
 
@@ -198,7 +198,7 @@ def test_uniform_promotion_per_ablation(gemma, name):
 
 
 def test_noise_streams_do_not_shift_with_a_warmup_block():
-    from dblock.reference.gemma import make_tiny_gemma
+    from dblock.reference.gemma_tiny import make_tiny_gemma
     m = make_tiny_gemma(seed=5, dtype=torch.float64)
     dec = DecodeConfig(max_new_tokens=2 * m.config.block_size, rule="entropy-bound", seed=3, steps=8)
     native_block_rng = ScheduleSpec("native", rng="block")

@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dblock.equivalence import invariants as inv
+from dblock.equivalence.audit import audited_epoch_forward
 from dblock.forward import Segment, StepInput, block_causal
 from dblock.optimized.atlas import AtlasParams, build_support, candidates, coverage, route_restricted
-from dblock.optimized.executor import epoch_forward
 from dblock.reference.llada import route_llada2, route_llada_moe
 from dblock.tiny import make_tiny_model, tiny_config
 
@@ -96,7 +96,7 @@ class LSPMachine(RuleBasedStateMachine):
     @initialize(refresh=st.integers(1, 6), config=st.sampled_from(["epoch", "no_atlas"]), prompt=st.integers(0, 7))
     def setup(self, refresh, config, prompt):
         self.M = refresh
-        self.f = epoch_forward(MODEL, config, refresh=refresh, audit=True)
+        self.f = audited_epoch_forward(MODEL, config, refresh=refresh)
         self.cache = self.f.new_cache()
         p = list(range(5, 5 + C))
         self.f.append([StepInput(0, [segment(p, 0, 0)], block_causal(1), self.cache)])
@@ -178,7 +178,7 @@ TestLSPCacheStateMachine = LSPMachine.TestCase
 
 def test_state_machine_reaches_the_cache():
     """The machine's sequences really exercise cache reads at the age bound (else it would prove nothing)."""
-    f = epoch_forward(MODEL, "no_atlas", refresh=4, audit=True)
+    f = audited_epoch_forward(MODEL, "no_atlas", refresh=4)
     cache = f.new_cache()
     f.append([StepInput(0, [segment(list(range(5, 13)), 0, 0)], block_causal(1), cache)])
     tokens = [MASK] * C

@@ -5,12 +5,12 @@ import torch
 
 from dblock.config import DecodeConfig
 from dblock.equivalence import invariants as inv
+from dblock.equivalence.audit import AuditedEpochExecutor, audited_epoch_forward
 from dblock.equivalence.report import FAULTS
 from dblock.equivalence.shadow import ShadowForward, shadow_generate
 from dblock.equivalence.verify import run_verify
 from dblock.optimized import executor as ex_mod
 from dblock.optimized.atlas import SupportResult
-from dblock.optimized.executor import EpochExecutor, epoch_forward
 from dblock.reference.executor import LladaReference
 from dblock.tiny import make_tiny_model
 
@@ -54,7 +54,7 @@ def test_audit_only_checks_catch_the_faults_too(fault):
     """`check_executor` judges a plain run (no shadow) from the audit records alone."""
     from dblock.forward import Segment, StepInput, block_causal
     from dblock.decoding.generate import generate
-    f = epoch_forward(MODEL, "epoch", audit=True, inject=[fault])
+    f = audited_epoch_forward(MODEL, "epoch", faults=[fault])
     if fault == "skip-live-logits":     # a schedule cannot even consume its output: one hand-driven pass
         M = MODEL.config.mask_token_id
         t = torch.tensor([5, 6, M, M, M, 7, M, M])
@@ -74,7 +74,7 @@ def test_uncaught_fault_is_a_failed_self_check():
     assert any(r.startswith("SELF-CHECK FAILED: fault route-outside-support") for r in rep["exit"]["reasons"])
 
 
-class NoClearExecutor(EpochExecutor):
+class NoClearExecutor(AuditedEpochExecutor):
     """Broken: keeps block plans (supports, caches) after the block commits."""
 
     def end_block(self, request, block):
@@ -86,7 +86,7 @@ class NoClearExecutor(EpochExecutor):
 
 def test_plans_surviving_a_block_are_caught():
     from dblock.optimized.plan import EpochConfig
-    sh = ShadowForward(NoClearExecutor(MODEL, EpochConfig.named("epoch"), audit=True), LladaReference(MODEL))
+    sh = ShadowForward(NoClearExecutor(MODEL, EpochConfig.named("epoch")), LladaReference(MODEL))
     shadow_generate(sh, PROMPTS[:2], DEC)
     names = {v.invariant for v in sh.violations}
     assert "block-boundary" in names
@@ -98,7 +98,7 @@ def test_reused_block_key_without_clearing_is_caught():
     """A leaked plan whose (request, block) key comes back (a server reusing request ids) is read across the
     boundary: its plan clock runs ahead of the block's own pass count."""
     from dblock.optimized.plan import EpochConfig
-    f = NoClearExecutor(MODEL, EpochConfig.named("epoch"), audit=True)
+    f = NoClearExecutor(MODEL, EpochConfig.named("epoch"))
     sh = ShadowForward(f, LladaReference(MODEL))
     shadow_generate(sh, PROMPTS[:1], DEC)
     sh.violations.clear()
@@ -115,7 +115,7 @@ def test_lying_atlas_is_caught_by_the_independent_coverage_recheck(monkeypatch):
         return SupportResult(s, True, 0, 0)
     monkeypatch.setattr(ex_mod, "build_support", lying_build)
     # B < E so that supports are built at all (with B >= E the support is every expert and nothing is built)
-    sh = ShadowForward(epoch_forward(MODEL, "epoch", audit=True, atlas_B=MODEL.config.num_experts_per_tok),
+    sh = ShadowForward(audited_epoch_forward(MODEL, "epoch", atlas_B=MODEL.config.num_experts_per_tok),
                        LladaReference(MODEL))
     shadow_generate(sh, PROMPTS[:2], DEC)
     cov = [v for v in sh.violations if v.invariant == "coverage"]

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from dblock.config import DecodeConfig
+from dblock.equivalence.audit import audited_epoch_forward
 from dblock.equivalence.report import shadow_section
 from dblock.equivalence.shadow import ShadowForward, shadow_generate
 from dblock.optimized.executor import epoch_forward
@@ -20,7 +21,7 @@ def llada2():
 
 
 def run_shadow(model, config, dec, schedule="native", prompts=PROMPTS, **kw):
-    opt = epoch_forward(model, config, audit=True, **kw)
+    opt = audited_epoch_forward(model, config, **kw)
     sh = ShadowForward(opt, reference_forward(model), staleness_ages=6)
     res = shadow_generate(sh, prompts, dec, schedule)
     return sh, opt, res

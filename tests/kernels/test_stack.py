@@ -99,8 +99,8 @@ def test_fp64_model_is_a_clear_error():
 
 
 def test_cli_generate_use_triton_in_a_fresh_process(tiny_dirs):
-    """`dblock generate ... --executor epoch --use-triton` in a new process. Loading the model makes torch import
-    triton before dblock.kernels can set TRITON_INTERPRET (the trap `_interpreter_stdlib` repairs)."""
+    """`dblock generate ... --executor epoch --use-triton` in a new process. The CLI sets TRITON_INTERPRET itself
+    (`--use-triton` without a GPU) before anything imports triton; the test's environment does not set it."""
     ids, folder = "5,9,12,7,6", tiny_dirs["llada2_moe"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""                                 # the CPU path on any machine

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from dblock.config import DecodeConfig
+from dblock.equivalence.audit import audited_epoch_forward
 from dblock.forward import Segment, StepInput, block_causal
 from dblock.optimized.executor import epoch_forward
 from dblock.optimized.freshlane import grouped_swiglu_torch, sort_by_expert
@@ -48,7 +49,7 @@ def test_epoch_batch_invariance_at_mc1():
 
 def test_staleness_and_support_invariants_hold():
     m = make_tiny_model("llada2_moe", seed=6, num_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2)
-    f = epoch_forward(m, "epoch", refresh=3, audit=True)
+    f = audited_epoch_forward(m, "epoch", refresh=3)
     generate(f, prompts(5, seed=4), DecodeConfig(max_new_tokens=40))
     served = [a for a in f.audit if a["served_rows"]]
     assert served, "the cache was never used: the test would prove nothing"

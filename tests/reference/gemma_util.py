@@ -8,9 +8,12 @@ import torch
 
 from dblock.config import DecodeConfig
 from dblock.forward import Segment, StepInput, block_causal
-from dblock.reference.gemma import FULL, SLIDING, GemmaReference, make_tiny_gemma, save_gemma
+from dblock.reference.gemma_config import FULL, SLIDING
+from dblock.reference.gemma_executor import GemmaReference
+from dblock.reference.gemma_tiny import make_tiny_gemma
+from dblock.tiny import save_for_transformers
 
-# Random tiny configs covering the structural variants (overrides of dblock.reference.gemma.TINY_GEMMA).
+# Random tiny configs covering the structural variants (overrides of dblock.reference.gemma_tiny.TINY_GEMMA).
 TINY_CONFIGS = {
     # 2 sliding (GQA 4q/2kv, head 16) + 1 full (4q/1kv, head 32, V = K, proportional RoPE on 25%); window 8
     "tiny": {},
@@ -49,7 +52,7 @@ def hf_twin(model, folder: str, exact: bool = True, dtype=None):
     """
     from transformers import DiffusionGemmaForBlockDiffusion
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        save_gemma(model, folder)
+        save_for_transformers(model, folder)
     kw = dict(attn_implementation="eager", experts_implementation="eager") if exact else {}
     if dtype is not None:
         kw["dtype"] = dtype

@@ -14,7 +14,7 @@ import torch
 
 import dblock
 from dblock.config import DecodeConfig
-from dblock.reference.gemma import save_gemma
+from dblock.tiny import save_for_transformers
 from dblock.decoding.entropy_bound import transformers_tpf_of
 from dblock.decoding.generate import generate
 from tests.reference.gemma_util import hf_generate, hf_twin, make_ours, one_thread
@@ -56,7 +56,7 @@ def test_native_tokens_and_passes_identical(tmp_path, name, seed, prompt, over):
 
 def test_native_bf16_identical(tmp_path):
     """bfloat16 weights on both sides (transformers with eager attention and experts, the reference's op order)."""
-    save_gemma(make_ours("tiny", seed=8), str(tmp_path / "m"))
+    save_for_transformers(make_ours("tiny", seed=8), str(tmp_path / "m"))
     hf = hf_twin(None, str(tmp_path / "m"), dtype=torch.bfloat16)
     ours = dblock.load(str(tmp_path / "m"), dtype="bfloat16")
     dec = DecodeConfig(rule="entropy-bound", seed=9, max_new_tokens=32, steps=24)

@@ -15,8 +15,10 @@ from safetensors.torch import load_file, save_file
 import dblock
 from dblock.config import ConfigError, DecodeConfig, load_config
 from dblock.forward import StepInput, block_causal
-from dblock.reference.gemma import (FULL, SLIDING, GemmaConfig, GemmaReference, make_tiny_gemma, save_gemma,
-                                    tiny_gemma_config)
+from dblock.reference.gemma_config import FULL, SLIDING, GemmaConfig
+from dblock.reference.gemma_executor import GemmaReference
+from dblock.reference.gemma_tiny import make_tiny_gemma, tiny_gemma_config
+from dblock.tiny import save_for_transformers
 from dblock.decoding.generate import generate
 from dblock.weights import WeightsError
 from tests.conftest import tol
@@ -60,7 +62,7 @@ def test_teacher_forced_batch1_bitwise(tmp_path, name):
 def test_teacher_forced_bf16_bitwise(tmp_path):
     """The same in bfloat16 (both loaded with dtype=bfloat16): dblock rounds where transformers rounds --
     including the self-conditioning logits cast to the weight dtype before their softmax."""
-    save_gemma(make_ours("w4", seed=4), str(tmp_path / "m"))
+    save_for_transformers(make_ours("w4", seed=4), str(tmp_path / "m"))
     hf = hf_twin(None, str(tmp_path / "m"), dtype=torch.bfloat16)
     ours = dblock.load(str(tmp_path / "m"), dtype="bfloat16")
 
@@ -109,7 +111,8 @@ def test_segment_visibility_paired_pass():
 
 def test_layer_mask_worked_example():
     """The worked example of `layer_mask`'s docstring, row by row."""
-    from dblock.reference.gemma import GemmaCache, build_batch, layer_mask, stack_past
+    from dblock.reference.gemma import GemmaCache
+    from dblock.reference.gemma_executor import build_batch, layer_mask, stack_past
     cfg = tiny_gemma_config(sliding_window=3)          # layers: sliding, sliding, full
     cache = GemmaCache(cfg)
     for i in range(3):
@@ -259,7 +262,7 @@ def test_round_trip(tmp_path, sharded, tie):
 @pytest.mark.parametrize("case", ["missing", "unexpected", "shape", "nan"])
 def test_bad_weights_name_file_and_key(tmp_path, case):
     folder = str(tmp_path / "m")
-    save_gemma(make_tiny_gemma(seed=0), folder)
+    save_for_transformers(make_tiny_gemma(seed=0), folder)
     path = os.path.join(folder, "model.safetensors")
     t = load_file(path)
     key = "model.decoder.layers.2.self_attn.k_proj.weight"

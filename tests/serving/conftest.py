@@ -32,7 +32,7 @@ def model(model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(model):
-    from dblock.cli import load_tokenizer
+    from dblock.cli_args import load_tokenizer
     return load_tokenizer(model)
 
 
@@ -75,6 +75,9 @@ class SlowForward(Forward):
     def last_pass_stats(self):
         return self.inner.last_pass_stats() if hasattr(self.inner, "last_pass_stats") else {}
 
+    def stats(self):
+        return self.inner.stats() if hasattr(self.inner, "stats") else {}
+
 
 def offline(model, executor, schedule, prompt, max_tokens, seed=0, dec=DEC):
     from dblock.decoding.generate import generate
@@ -85,14 +88,14 @@ def offline(model, executor, schedule, prompt, max_tokens, seed=0, dec=DEC):
 
 @contextlib.contextmanager
 def running_server(model, tokenizer=None, executor="reference", schedule="native", delay=0.0, api_key=None,
-                   limits=None, dec=DEC, **engine_kw):
+                   limits=None, dec=DEC, chat_template=None, **engine_kw):
     """(ServerThread, Engine, forward) for the duration of the block; stopped gracefully afterwards."""
     from dblock.serving.engine import Engine, EngineConfig
     from dblock.serving.server import ServerThread, create_app
     fwd = SlowForward(make_forward(model, executor), delay)
     engine = Engine(fwd, schedule, dec, EngineConfig(**engine_kw))
     app = create_app(engine, tokenizer=tokenizer, model_name="tiny", limits=limits, api_key=api_key,
-                     drain_timeout=30, poll_s=0.05)
+                     drain_timeout=30, poll_s=0.05, chat_template=chat_template)
     srv = ServerThread(app).start()
     try:
         yield srv, engine, fwd

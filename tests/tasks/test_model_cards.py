@@ -6,7 +6,8 @@ import shutil
 import pytest
 
 from dblock.cli import main
-from dblock.tasks.card import CARD_JSON, CARD_MD, build_card, read_card, render_markdown, run_eval_command, task_of
+from dblock.tasks.card import CARD_JSON, CARD_MD, build_card, read_card, render_markdown, task_of
+from dblock.tasks.cli import run_eval_command
 from dblock.weights import CHECKPOINTS_DIR
 
 BUNDLED = ["tiny-masked", "tiny-uniform"]

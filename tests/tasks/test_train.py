@@ -173,7 +173,7 @@ def test_uniform_training_forward_equals_reference_decoding():
     """Encoder K/V + decoder pass of the uniform objective give, for canvas 1, the logits the reference executor
     computes after prefilling the prompt and appending canvas 0 (sliding window shorter than the row)."""
     from dblock.forward import Segment, StepInput, block_causal
-    from dblock.reference.gemma import GemmaReference
+    from dblock.reference.gemma_executor import GemmaReference
     from dblock.tasks.train_uniform import decoder_masks, encoder_masks, uniform_rows
 
     model = build_model(TrainConfig(family="diffusion_gemma", size="micro", seed=1)).double().eval()
