@@ -1,16 +1,37 @@
-"""Epoch executor vs the dense reference on CPU, side by side in one run (issue: the Epoch optimized executor).
+"""Epoch executor vs the dense reference on CPU, side by side in one run (docs/algorithms.md §4).
 
-For every model and batch size, the five configurations decode the same prompts:
-  dense (the reference executor), full_compute (all experts, M_C = 1), no_atlas, no_lsp, epoch.
-Per configuration: wall time per denoising pass and its MoE share, TPS, fresh-row fraction, experts in support,
-counted MoE FLOPs and bytes per pass, accuracy (graded task) and token agreement with the dense run; at the largest
-batch, the process's peak resident memory measured in a fresh subprocess per configuration.
+Cells (model, decoding rule, batch): the mini-scaled LLaDA2.0-shaped configuration under fixed-k decoding (block 32,
+steps = C: one position per pass) at batch 32, 64 and 128, and the bundled `tiny-masked` under the threshold rule at
+batch 32. In each cell five configurations decode the same prompts, interleaved within every repeat so that machine
+noise hits them alike:
 
-    .venv/bin/python benchmarks/epoch_cpu.py                   # tiny-masked + the scaled LLaDA2.0-mini-shaped config
-    .venv/bin/python benchmarks/epoch_cpu.py --quick           # smaller batches, one repeat (a smoke run)
-    .venv/bin/python benchmarks/epoch_cpu.py --json out.json
+    dense          the reference executor
+    full_compute   Epoch with nothing relaxed (all experts, M_C = 1): every call takes the dense path
+    epoch          Expert Atlas + LSP cache (M_C = 5)
+    no_atlas       LSP cache only
+    no_lsp         Expert Atlas only (every row fresh: nothing to skip, so the cost rule picks the dense path)
 
-Timings are medians of repeats; ratios are taken within one run on one machine. Never used by tests.
+Per configuration: thread-CPU time per pass (`time.thread_time`, the primary clock: on a shared machine it is the
+work this thread did) and wall time per pass, TPS on both clocks, MoE share of the pass, the fresh-row fraction f
+(rows the block plans send through the routed experts / rows), the share of calls that took the dense path, MoE
+time per pass against f × the dense reference's MoE time, and for the Epoch configurations the Amdahl bound
+B = 1 / ((1 − m) + m·f) (m: the dense reference's MoE share in the same cell) and the fraction of B reached; the
+peak MoE-region buffer bytes at the largest batch (`last_pass_stats()["moe_buffer_bytes"]`, the buffers the
+MoE region allocates for the rows it computes); requests whose whole output equals the dense run's; accuracy on
+tiny-masked. Medians of the repeats.
+
+Before the repeats each cell measures its own per-machine path profile (`dblock.optimized.plan.PathModel`, docs/
+algorithms.md §4.1): m = the routed-expert share of a dense reference pass (MoE time minus the shared expert's),
+o = the epoch path's extra cost at f = 1 over the dense path (full_compute, and no_lsp for the Atlas), on short
+decodes of the cell's own batch; the Epoch configurations run with it (`--path-model cost` uses the roofline cost
+model instead).
+
+    .venv/bin/python benchmarks/epoch_cpu.py                              # every cell, 5 repeats
+    .venv/bin/python benchmarks/epoch_cpu.py --cells mini-scaled:fixed-k:32 --repeats 1 --max-new-tokens 32
+    .venv/bin/python benchmarks/epoch_cpu.py --json epoch_cpu.json --write-benchmarks   # replace the section
+    .venv/bin/python benchmarks/epoch_cpu.py --markdown                   # print the section instead
+
+Ratios are taken within one run on one machine. Never used by tests.
 """
 from __future__ import annotations
 
@@ -18,21 +39,27 @@ import argparse
 import json
 import os
 import platform
-import resource
+import re
+import shlex
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from dblock.config import DecodeConfig  # noqa: E402
+from dblock.decoding.generate import generate, reference_forward  # noqa: E402
 from dblock.optimized.executor import epoch_forward  # noqa: E402
-from dblock.decoding.generate import generate  # noqa: E402
+from dblock.optimized.freshlane import moe_buffer_bytes  # noqa: E402
+from dblock.optimized.plan import PathModel  # noqa: E402
 
-CONFIGS = ["dense", "full_compute", "no_atlas", "no_lsp", "epoch"]
+CONFIGS = ["dense", "full_compute", "epoch", "no_atlas", "no_lsp"]
+EPOCH_LIKE = ("epoch", "no_atlas")                      # configurations with something to skip: bound reported
+SECTION = "## Epoch executor vs the dense reference on CPU"
+DEFAULT_CELLS = "mini-scaled:fixed-k:32,mini-scaled:fixed-k:64,mini-scaled:fixed-k:128,tiny-masked:threshold:32"
 
 # LLaDA2.0-mini's shape (256 experts top-8 in 8 groups keep 4, 1 shared expert, one dense layer, partial RoPE,
 # GQA), scaled down so that the MoE path dominates a CPU pass as it does on 8xH100 (60-77% of the forward).
@@ -43,235 +70,333 @@ MINI_SCALED = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_att
                    block_size=32)
 
 
-class MoETimer:
-    """Wall time inside the reference model's MoE modules (forward hooks)."""
-
-    def __init__(self, model):
-        self.t, self._t0, self.on = 0.0, None, False   # counts only while `on` (denoising calls, not appends)
-        self.hooks = []
-        for layer in model.layers:
-            if layer.is_moe:
-                self.hooks.append(layer.mlp.register_forward_pre_hook(self._pre))
-                self.hooks.append(layer.mlp.register_forward_hook(self._post))
-
-    def _pre(self, *a):
-        self._t0 = time.perf_counter()
-
-    def _post(self, *a):
-        if self.on:
-            self.t += time.perf_counter() - self._t0
-
-    def remove(self):
-        for h in self.hooks:
-            h.remove()
+def load_model(name: str):
+    if name == "tiny-masked":
+        import dblock
+        return dblock.load("tiny-masked")
+    if name == "mini-scaled":
+        from dblock.tiny import make_tiny_model
+        return make_tiny_model("llada2_moe", seed=0, **MINI_SCALED)
+    raise SystemExit(f"unknown model {name!r}: tiny-masked, mini-scaled")
 
 
-def load_models(quick: bool, only=None):
-    from dblock.tiny import make_tiny_model
-    from dblock.weights import CHECKPOINTS_DIR
-    import dblock
-    models = []
-    if os.path.isdir(os.path.join(CHECKPOINTS_DIR, "tiny-masked")):
-        models.append(("tiny-masked", dblock.load("tiny-masked")))
-    models.append(("mini-scaled (random)", make_tiny_model("llada2_moe", seed=0, **MINI_SCALED)))
-    return [m for m in models if only is None or m[0].split(" ")[0] in only]
-
-
-def prompts_for(name, model, batch, rule="threshold"):
+def prompts_for(name, model, batch, rule="threshold", max_new=None):
+    """(prompt ids, grading or None, DecodeConfig). tiny-masked: held-out arith-small problems, 128 new tokens;
+    mini-scaled: random prompts of 8-23 tokens, 64 new tokens (two blocks)."""
     if name == "tiny-masked":
         from dblock.tasks import get_task
         from dblock.tasks.evaluate import TokenizerAdapter
         tok = TokenizerAdapter.from_folder(model.source)
         task = get_task("arith-small")
         exs = task.examples("test", batch)
-        return [tok.encode(e.prompt) for e in exs], (task, tok, exs), _dec(model, 128, rule)
+        return [tok.encode(e.prompt) for e in exs], (task, tok, exs), _dec(model, max_new or 128, rule)
     g = torch.Generator().manual_seed(batch)
     V = model.config.vocab_size - 2
     ps = [torch.randint(0, V, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist()
           for _ in range(batch)]
-    return ps, None, _dec(model, 64, rule)
+    return ps, None, _dec(model, max_new or 64, rule)
 
 
 def _dec(model, max_new, rule):
     """threshold: the Epoch evaluation decoder (tau 0.95, few passes per block on these models); fixed-k: LLaDA's
-    generate.py default of one pass per position (steps = C), where blocks live long and LSP has work to skip."""
+    generate.py default of one position per pass (steps = C), where blocks live long and LSP has work to skip."""
     if rule == "fixed-k":
         return DecodeConfig(max_new_tokens=max_new, rule="fixed-k", steps=model.config.block_size)
     return DecodeConfig(max_new_tokens=max_new)
 
 
-def flops_bytes(cfg, stats_passes, dense_rows):
-    """Counted per denoising pass, summed over MoE layers: router, expert and shared-expert FLOPs; expert weight
-    bytes touched (distinct experts x 3 matrices) and expert activation bytes (pairs x (H + 2I) fp32)."""
-    H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    Ish = I * cfg.num_shared_experts
-    el = 4
-    if stats_passes is None:   # dense reference: every row routed and through K experts; every expert touched
-        n_moe = len(cfg.moe_layers)
-        rows, pairs = dense_rows, dense_rows * cfg.num_experts_per_tok
-        fl = n_moe * (2 * rows * H * E + 6 * pairs * H * I + 6 * rows * H * Ish)
-        by = n_moe * (min(E, pairs) * 3 * H * I * el + pairs * (H + 2 * I) * el)
-        return fl, by
-    fl = by = 0
-    for layers in stats_passes:
-        for s in layers:
-            fl += 2 * s["routed_rows"] * H * E + 6 * s["pairs"] * H * I + 6 * s["rows"] * H * Ish
-            by += s["experts_used"] * 3 * H * I * el + s["pairs"] * (H + 2 * I) * el
-    n = max(1, len(stats_passes))
-    return fl / n, by / n
+class MoETimer:
+    """Thread-CPU time inside the reference model's MoE modules and, separately, their shared experts (forward
+    hooks; counted only while `on`: denoising calls, not appends)."""
+
+    def __init__(self, model):
+        self.moe = self.shared = 0.0
+        self.on = False
+        self.hooks, self._t0 = [], {}
+        for layer in model.layers:
+            if layer.is_moe:
+                self._hook(layer.mlp, "moe")
+                if layer.mlp.shared is not None:
+                    self._hook(layer.mlp.shared, "shared")
+
+    def _hook(self, mod, what):
+        def pre(*a):
+            self._t0[what] = time.thread_time()
+
+        def post(*a):
+            if self.on:
+                setattr(self, what, getattr(self, what) + time.thread_time() - self._t0[what])
+        self.hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
 
 
-def run_config(config, model, prompts, dec):
+def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
+    """Decode `prompts` with one configuration; per-pass clocks measured around the executor call only (reading the
+    executor's statistics happens outside them)."""
+    timer = None
     if config == "dense":
-        from dblock.decoding.generate import reference_forward
         fwd = reference_forward(model)
         timer = MoETimer(model)
     else:
-        fwd, timer = epoch_forward(model, config), None
-    per_pass = []
-    if timer is None:
-        orig = fwd.denoise
+        fwd = epoch_forward(model, config, path=path, path_model=path_model)
+    orig = fwd.denoise
+    acc = {"cpu": 0.0, "wall": 0.0, "calls": 0, "rows": 0, "n_fresh": 0.0, "computed": 0, "layer_rows": 0,
+           "moe_cpu": 0.0, "moe_bytes": 0, "moe_bytes_sum": 0, "dense_calls": 0}
 
-        def denoise(items):
-            out = orig(items)
-            per_pass.append(fwd.last_pass_stats())
-            return out
-        fwd.denoise = denoise
-    rows = []
-    if timer is not None:
-        orig_ref = fwd.denoise
-
-        def denoise_ref(items):
-            rows.append(sum(len(s) for it in items for s in it.segments))
+    def denoise(items):
+        if timer is not None:
             timer.on = True
-            try:
-                return orig_ref(items)
-            finally:
-                timer.on = False
-        fwd.denoise = denoise_ref
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = orig(items)
+        acc["cpu"] += time.thread_time() - c0
+        acc["wall"] += time.perf_counter() - t0
+        if timer is not None:
+            timer.on = False
+        acc["calls"] += 1
+        rows = sum(len(s) for it in items for s in it.segments)
+        acc["rows"] += rows
+        if timer is None:
+            st = fwd.last_pass_stats()
+            acc["n_fresh"] += st["fresh_frac"] * rows
+            acc["computed"] += sum(x["fresh"] for x in st["layers"])
+            acc["layer_rows"] += sum(x["rows"] for x in st["layers"])
+            acc["moe_cpu"] += st["moe_cpu_s"]
+            nb = st["moe_buffer_bytes"]
+            acc["dense_calls"] += st["path"] == "dense"
+        else:
+            cfg = model.config
+            F = len(items) * max(sum(len(s) for s in it.segments) for it in items)     # padded rows
+            nb = moe_buffer_bytes(F, F * cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                                  model.embed.weight.element_size())
+        acc["moe_bytes"] = max(acc["moe_bytes"], nb)
+        acc["moe_bytes_sum"] += nb
+        return out
+    fwd.denoise = denoise
     res = generate(fwd, prompts, dec)
-    s = res.summary()
-    moe_s = timer.t if timer is not None else sum(p["moe_s"] for p in per_pass)
     if timer is not None:
         timer.remove()
-    out = {"s_per_pass": res.times.den_s / max(1, res.times.den_calls), "moe_share": moe_s / res.times.den_s,
-           "moe_s_per_pass": moe_s / max(1, res.times.den_calls), "TPS": s["TPS"], "F": s["F"],
-           "tokens": res.tokens}
-    if timer is None:
-        n_moe = len(model.config.moe_layers)
-        fr = sum(x["fresh"] for p in per_pass for x in p["layers"])
-        tot = sum(x["rows"] for p in per_pass for x in p["layers"])
-        out["fresh_frac"] = fr / tot if tot else 1.0
-        out["support"] = statistics.mean(x["support"] for p in per_pass for x in p["layers"])
-        out["flops"], out["bytes"] = flops_bytes(model.config, [p["layers"] for p in per_pass], None)
-        out["paths"] = fwd.stats()["paths"]
-        out["_n_moe"] = n_moe
-    else:
-        out["fresh_frac"], out["support"] = 1.0, model.config.num_experts
-        out["flops"], out["bytes"] = flops_bytes(model.config, None, statistics.mean(rows))
+        acc["moe_cpu"], acc["shared_cpu"] = timer.moe, timer.shared
+        acc["n_fresh"] = acc["rows"]
+        acc["computed"] = acc["layer_rows"] = 1
+    n = max(1, acc["calls"])
+    Y = res.summary()["Y"]
+    return {"cpu_per_pass": acc["cpu"] / n, "wall_per_pass": acc["wall"] / n, "moe_per_pass": acc["moe_cpu"] / n,
+            "shared_per_pass": acc.get("shared_cpu", 0.0) / n, "moe_share": acc["moe_cpu"] / max(acc["cpu"], 1e-12),
+            "TPS": Y / max(acc["cpu"], 1e-12), "TPS_wall": Y / max(acc["wall"], 1e-12), "passes": acc["calls"],
+            "fresh_frac": acc["n_fresh"] / max(1, acc["rows"]), "computed_frac": acc["computed"] / acc["layer_rows"],
+            "dense_calls": acc["dense_calls"] / n, "moe_bytes": acc["moe_bytes"],
+            "moe_bytes_mean": acc["moe_bytes_sum"] / n, "tokens": res.tokens,
+            "paths": fwd.stats()["paths"] if timer is None else {}}
+
+
+def calibrate(model, prompts, dec, repeats: int) -> dict:
+    """The cell's per-machine path profiles (`PathModel`, docs/algorithms.md §4.1), from short interleaved decodes
+    of its own prompts (one block): m = the dense reference's routed-expert share of a pass; o = what the epoch
+    path adds at f = 1 over the dense path, without (full_compute) and with (no_lsp) the Expert Atlas."""
+    short = dec.replace(max_new_tokens=model.config.block_size)
+    runs = {k: [] for k in ("dense", "fc_dense", "fc_epoch", "atlas_epoch")}
+    for _ in range(repeats):
+        runs["dense"].append(run_config("dense", model, prompts, short))
+        runs["fc_dense"].append(run_config("full_compute", model, prompts, short, path="dense"))
+        runs["fc_epoch"].append(run_config("full_compute", model, prompts, short, path="epoch"))
+        runs["atlas_epoch"].append(run_config("no_lsp", model, prompts, short, path="epoch"))
+    med = {k: statistics.median(r["cpu_per_pass"] for r in v) for k, v in runs.items()}
+    d = runs["dense"]
+    m = statistics.median((r["moe_per_pass"] - r["shared_per_pass"]) / r["cpu_per_pass"] for r in d)
+    o_plain = max(0.0, med["fc_epoch"] / med["fc_dense"] - 1.0)
+    o_atlas = max(0.0, med["atlas_epoch"] / med["fc_dense"] - 1.0)
+    src = f"measured ({repeats} short runs of the cell)"
+    plain, atlas = PathModel(m, o_plain, src + ", no Atlas"), PathModel(m, o_atlas, src + ", with Atlas")
+    return {"full_compute": plain, "no_atlas": plain, "epoch": atlas, "no_lsp": atlas}
+
+
+def parse_cells(s: str) -> list:
+    out = []
+    for c in s.split(","):
+        parts = c.strip().split(":")
+        if len(parts) != 3 or parts[1] not in ("threshold", "fixed-k") or not parts[2].isdigit():
+            raise SystemExit(f"--cells {c!r}: give model:rule:batch, e.g. mini-scaled:fixed-k:32")
+        out.append((parts[0], parts[1], int(parts[2])))
     return out
 
 
-def _vm(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return float(line.split()[1]) / 1024   # kB -> MiB
-    return float("nan")
+def run_cell(name, model, rule, batch, args) -> list:
+    prompts, grading, dec = prompts_for(name, model, batch, rule, args.max_new_tokens)
+    models = calibrate(model, prompts, dec, args.calibration_repeats) if args.path_model == "measured" else {}
+    for cfg, pm in models.items():
+        if cfg in ("epoch", "no_atlas"):
+            print(f"  path model ({cfg}): m = {pm.moe_share:.3f}, o = {pm.overhead_share:.3f}, "
+                  f"break-even f* = {pm.break_even:.3f}", flush=True)
+    cells = {c: [] for c in CONFIGS}
+    for _ in range(args.repeats):
+        for config in CONFIGS:            # interleaved, so machine noise hits every configuration alike
+            cells[config].append(run_config(config, model, prompts, dec, path_model=models.get(config)))
+    med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
+    dense = cells["dense"]
+    d_cpu, d_moe, d_tps = med(dense, "cpu_per_pass"), med(dense, "moe_per_pass"), med(dense, "TPS")
+    m = med(dense, "moe_share")
+    rows = []
+    for config in CONFIGS:
+        runs = cells[config]
+        r0 = runs[0]
+        f = r0["fresh_frac"]
+        row = {"model": name, "rule": rule, "batch": batch, "config": config,
+               "TPS": med(runs, "TPS"), "TPS_wall": med(runs, "TPS_wall"),
+               "cpu_ms_per_pass": 1e3 * med(runs, "cpu_per_pass"), "wall_ms_per_pass": 1e3 * med(runs, "wall_per_pass"),
+               "moe_share": med(runs, "moe_share"), "moe_ms_per_pass": 1e3 * med(runs, "moe_per_pass"),
+               "fresh_frac": f, "computed_frac": r0["computed_frac"], "dense_calls": r0["dense_calls"],
+               "passes": r0["passes"], "moe_buffer_bytes": r0["moe_bytes"],
+               "moe_buffer_bytes_mean": r0["moe_bytes_mean"],
+               "identical": sum(a == b for a, b in zip(r0["tokens"], dense[0]["tokens"])) / batch,
+               "repeats": len(runs)}
+        row["speedup"] = row["TPS"] / d_tps
+        row["moe_vs_fresh_dense"] = row["moe_ms_per_pass"] / (1e3 * f * d_moe) if d_moe and f else None
+        if config in EPOCH_LIKE:
+            row["bound"] = 1.0 / ((1.0 - m) + m * f)
+            row["fraction_of_bound"] = (d_cpu / med(runs, "cpu_per_pass")) / row["bound"]
+        if config in models:
+            row["path_model"] = models[config].as_dict()
+        if grading is not None:
+            task, tok, exs = grading
+            from dblock.tasks import answer_text
+            row["accuracy"] = sum(task.grade(e.prompt, answer_text(t, tok)) for e, t in zip(exs, r0["tokens"])) / batch
+        if r0["paths"]:
+            row["paths"] = r0["paths"]
+        rows.append(row)
+    return rows
 
 
-def peak_rss(model_name, config, batch, rule="threshold"):
-    """Peak resident memory (MiB) of decoding one batch with one configuration, in a fresh process: the high-water
-    mark is reset after loading (Linux /proc/self/clear_refs), so the number is what decoding itself adds on top
-    of the loaded model and interpreter."""
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r});"
-            "import torch; torch.set_num_threads(1);"
-            "import benchmarks.epoch_cpu as b;"
-            f"ms = dict(b.load_models(True)); m = ms[{model_name!r}];"
-            f"p, _, d = b.prompts_for({model_name!r}, m, {batch}, {rule!r});"
-            "base = b._vm('VmRSS'); open('/proc/self/clear_refs', 'w').write('5');"
-            f"b.run_config({config!r}, m, p, d);"
-            "print(b._vm('VmHWM'), base)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
-    if r.returncode:
-        return None, None
-    peak, base = map(float, r.stdout.split()[-2:])
-    return peak, base
+def print_rows(rows):
+    print(f"{'config':>13} {'cpu ms/p':>9} {'wall ms/p':>9} {'TPS':>8} {'vs dense':>8} {'MoE%':>5} {'fresh':>6} "
+          f"{'dense calls':>11} {'MoE/f·dMoE':>10} {'bound':>6} {'of B':>5} {'MoE MiB pk/mean':>15} {'ident':>6}")
+    for r in rows:
+        b = f"{r['bound']:.2f}" if "bound" in r else "-"
+        fb = f"{r['fraction_of_bound']:.2f}" if "fraction_of_bound" in r else "-"
+        mv = f"{r['moe_vs_fresh_dense']:.2f}" if r["moe_vs_fresh_dense"] is not None else "-"
+        print(f"{r['config']:>13} {r['cpu_ms_per_pass']:>9.2f} {r['wall_ms_per_pass']:>9.2f} {r['TPS']:>8.1f} "
+              f"{r['speedup']:>8.2f} {100 * r['moe_share']:>5.1f} {r['fresh_frac']:>6.2f} {r['dense_calls']:>11.2f} "
+              f"{mv:>10} {b:>6} {fb:>5} {r['moe_buffer_bytes'] / 2 ** 20:>7.2f}/"
+              f"{r['moe_buffer_bytes_mean'] / 2 ** 20:<7.2f} "
+              f"{r['identical']:>6.2f}", flush=True)
+
+
+def markdown(rows, meta) -> str:
+    """The BENCHMARKS.md section for these rows."""
+    out = [SECTION, "",
+           f"Command: `{meta['command']}` ({meta['minutes']:.1f} min). Machine: {meta['machine']}. "
+           f"{meta['repeats']} interleaved repeats per cell, medians; thread-CPU time (`time.thread_time`) is the "
+           "primary clock (the work this thread did, whatever else ran on the machine), wall time beside it.",
+           "",
+           "Models: `mini-scaled`, a random llada2_moe shaped like LLaDA2.0-mini scaled down so that the MoE path "
+           "dominates a pass (E = 64, top-8, 8 groups keep 4, one shared expert, H = 256, I = 128, C = 32; random "
+           "prompts, 64 new tokens) under fixed-k decoding with steps = C (one position per pass, where blocks live C "
+           "passes and LSP has the most to skip), and the bundled `tiny-masked` (E = 16, top-4, C = 16; arith-small "
+           "held-out problems, 128 new tokens) under the threshold rule (τ = 0.95). Columns: TPS on the thread-CPU "
+           "clock and its ratio to dense; MoE share of the pass; f, the fresh-row fraction (rows the block plans send "
+           "through the routed experts / rows); dense calls, the share of calls the cost rule of docs/algorithms.md "
+           "§4.1 sent down the dense path (m·(1 − f) ≤ o, with the cell's measured path profile); MoE time / "
+           "(f × dense MoE), 1.00 = MoE work exactly proportional to fresh rows; B = 1/((1 − m) + m·f), the Amdahl "
+           "bound with m the dense reference's MoE share (router, routed and shared experts: all of it counted as "
+           "skippable, so B is generous), and the share of it reached (above 100% where the dense path itself beats "
+           "the reference); identical outputs, requests whose whole output equals the dense run's. Below each table: "
+           "the MoE region's row-buffer bytes (`last_pass_stats()[\"moe_buffer_bytes\"]`, peak and mean over passes; "
+           "for dense the same accounting over every row) and the measured path profiles.", ""]
+    cells = []
+    for r in rows:
+        key = (r["model"], r["rule"])
+        if key not in cells:
+            cells.append(key)
+    for model, rule in cells:
+        sub = [r for r in rows if (r["model"], r["rule"]) == (model, rule)]
+        big = max(r["batch"] for r in sub)
+        out += [f"**{model}, {rule} rule**", "",
+                "| batch | config | CPU ms/pass | wall ms/pass | TPS | TPS vs dense | MoE share | fresh rows f | "
+                "dense calls | MoE ms/pass | MoE / (f × dense MoE) | bound B | of B | identical outputs |"
+                + (" accuracy |" if any("accuracy" in r for r in sub) else ""),
+                "|---" * (14 + any("accuracy" in r for r in sub)) + "|"]
+        for r in sub:
+            mv = f"{r['moe_vs_fresh_dense']:.2f}" if r["moe_vs_fresh_dense"] is not None else "-"
+            tps = f"**{r['speedup']:.2f}x**" if r["config"] == "epoch" else f"{r['speedup']:.2f}x"
+            bound = f"{r['bound']:.2f}" if "bound" in r else "-"
+            line = (f"| {r['batch']} | {r['config']} | {r['cpu_ms_per_pass']:.1f} | {r['wall_ms_per_pass']:.1f} | "
+                    f"{r['TPS']:.0f} | {tps} | {100 * r['moe_share']:.0f}% | {100 * r['fresh_frac']:.0f}% | "
+                    f"{100 * r['dense_calls']:.0f}% | {r['moe_ms_per_pass']:.1f} | {mv} | {bound}")
+            line += (f" | {100 * r['fraction_of_bound']:.0f}%" if "fraction_of_bound" in r else " | -")
+            line += f" | {100 * r['identical']:.0f}% |"
+            if "accuracy" in r:
+                line += f" {r['accuracy']:.3f} |"
+            out.append(line)
+        pms = {r["config"]: r["path_model"] for r in sub if "path_model" in r and r["batch"] == big}
+        mem = ", ".join(f"{r['config']} {r['moe_buffer_bytes'] / 2 ** 20:.2f} / "
+                        f"{r['moe_buffer_bytes_mean'] / 2 ** 20:.2f}"
+                        for r in sub if r["batch"] == big)
+        out += ["", f"MoE-region buffers at batch {big}, peak / mean over passes (MiB; the peak is an all-fresh pass, "
+                    f"the mean follows f): {mem}."]
+        if pms:
+            out.append(f"Measured path profiles at batch {big}: " + "; ".join(
+                f"{c}: m = {p['moe_share']:.3f}, o = {p['overhead_share']:.3f}, f* = {p['break_even']:.3f}"
+                for c, p in pms.items() if c in ("epoch", "no_atlas")) + ".")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_section(path: str, text: str) -> None:
+    """Replace the section that starts with SECTION (up to the next `## ` heading) in `path`, or append it."""
+    old = open(path).read() if os.path.exists(path) else ""
+    start = old.find(SECTION + "\n")
+    if start < 0:
+        new = old.rstrip() + "\n\n" + text
+    else:
+        m = re.compile(r"^## ", re.M).search(old, start + len(SECTION))
+        end = m.start() if m else len(old)
+        new = old[:start] + text + ("\n" if m else "") + old[end:]
+    with open(path, "w") as f:
+        f.write(new)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32,64,128)")
-    ap.add_argument("--repeats", type=int, default=3, help="repeats per cell; the median time is reported")
-    ap.add_argument("--quick", action="store_true", help="batches 1,8 and one repeat")
-    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--cells", default=DEFAULT_CELLS, help=f"model:rule:batch,... (default {DEFAULT_CELLS})")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per cell; medians reported (>= 5 "
+                                                           "for the BENCHMARKS.md numbers)")
+    ap.add_argument("--calibration-repeats", type=int, default=3, help="short runs per path-profile measurement")
+    ap.add_argument("--path-model", choices=["measured", "cost"], default="measured",
+                    help="measured: the cell's own per-machine profile; cost: the roofline cost model (default "
+                         "hardware of EpochConfig)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="override the cells' token budgets (smoke runs)")
     ap.add_argument("--json", default=None, help="write all rows to this file")
-    ap.add_argument("--models", default=None, help="comma-separated subset: tiny-masked, mini-scaled")
-    ap.add_argument("--rules", default="threshold,fixed-k", help="decoding regimes: threshold, fixed-k (steps = C)")
+    ap.add_argument("--markdown", action="store_true", help="print the BENCHMARKS.md section")
+    ap.add_argument("--write-benchmarks", nargs="?", const=os.path.join(ROOT, "BENCHMARKS.md"), default=None,
+                    metavar="PATH", help="replace the section in BENCHMARKS.md (or PATH)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    batches = [int(b) for b in (args.batches or ("1,8" if args.quick else "1,8,32,64,128")).split(",")]
-    repeats = 1 if args.quick else args.repeats
-    machine = f"{platform.platform()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 thread"
+    t_start = time.perf_counter()
+    machine = f"`{platform.platform()}`, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread"
     print(f"# benchmarks/epoch_cpu.py on {machine}")
-    all_rows = []
-    only = set(args.models.split(",")) if args.models else None
-    for (name, model), rule in [(nm, r) for nm in load_models(args.quick, only) for r in args.rules.split(",")]:
-        print(f"\n## {name}, {rule} rule")
-        print(f"{'batch':>5} {'config':>12} {'ms/pass':>8} {'MoE%':>5} {'TPS':>8} {'speedup':>7} {'fresh':>6} "
-              f"{'support':>7} {'GFLOP/p':>8} {'MB/p':>7} {'MoE/fresh·dense':>15} {'agree':>6} {'acc':>6}")
-        for batch in batches:
-            prompts, grading, dec = prompts_for(name, model, batch, rule)
-            cells = {}
-            for rep in range(repeats):
-                for config in CONFIGS:   # interleaved, so machine noise hits every configuration alike
-                    r = run_config(config, model, prompts, dec)
-                    cells.setdefault(config, []).append(r)
-            dense = cells["dense"]
-            d_pass = statistics.median(x["s_per_pass"] for x in dense)
-            d_moe = statistics.median(x["moe_s_per_pass"] for x in dense)
-            d_tps = statistics.median(x["TPS"] for x in dense)
-            for config in CONFIGS:
-                runs = cells[config]
-                r0 = runs[0]
-                row = {"model": name, "rule": rule, "batch": batch, "config": config,
-                       "ms_per_pass": 1e3 * statistics.median(x["s_per_pass"] for x in runs),
-                       "moe_share": statistics.median(x["moe_share"] for x in runs),
-                       "TPS": statistics.median(x["TPS"] for x in runs),
-                       "fresh_frac": r0["fresh_frac"], "support": r0["support"],
-                       "gflops_per_pass": r0["flops"] / 1e9, "mb_per_pass": r0["bytes"] / 2 ** 20,
-                       "agreement": sum(a == b for a, b in zip(r0["tokens"], dense[0]["tokens"])) / batch}
-                row["speedup_TPS"] = row["TPS"] / d_tps
-                moe_pp = statistics.median(x["moe_s_per_pass"] for x in runs)
-                row["moe_vs_fresh_dense"] = moe_pp / (r0["fresh_frac"] * d_moe) if d_moe else None
-                if grading is not None:
-                    task, tok, exs = grading
-                    from dblock.tasks import answer_text
-                    row["accuracy"] = sum(task.grade(e.prompt, answer_text(t, tok))
-                                          for e, t in zip(exs, r0["tokens"])) / batch
-                if "paths" in r0:
-                    row["paths"] = r0["paths"]
-                all_rows.append(row)
-                acc = f"{row['accuracy']:.3f}" if "accuracy" in row else "-"
-                print(f"{batch:>5} {config:>12} {row['ms_per_pass']:>8.2f} {100 * row['moe_share']:>5.1f} "
-                      f"{row['TPS']:>8.1f} {row['speedup_TPS']:>7.2f} {row['fresh_frac']:>6.2f} "
-                      f"{row['support']:>7.1f} {row['gflops_per_pass']:>8.3f} {row['mb_per_pass']:>7.1f} "
-                      f"{row['moe_vs_fresh_dense']:>15.2f} {row['agreement']:>6.2f} {acc:>6}", flush=True)
-        if not args.no_memory:
-            big = batches[-1]
-            print(f"\npeak resident memory, batch {big} (MiB, fresh process per configuration; baseline = after "
-                  "loading, before decoding)")
-            for config in CONFIGS:
-                peak, base = peak_rss(name, config, big, rule)
-                if peak is None:
-                    print(f"  {config:>12}: failed")
-                    continue
-                print(f"  {config:>12}: peak {peak:8.1f}  decode +{peak - base:7.1f}")
-                all_rows.append({"model": name, "rule": rule, "batch": big, "config": config, "peak_rss_mib": peak,
-                                 "decode_rss_mib": peak - base})
+    rows, loaded = [], {}
+    for name, rule, batch in parse_cells(args.cells):
+        if name not in loaded:
+            loaded[name] = load_model(name)
+        print(f"\n## {name}, {rule} rule, batch {batch}", flush=True)
+        cell = run_cell(name, loaded[name], rule, batch, args)
+        print_rows(cell)
+        rows += cell
+    minutes = (time.perf_counter() - t_start) / 60
+    meta = {"machine": machine, "repeats": args.repeats, "minutes": minutes,
+            "command": ".venv/bin/python benchmarks/epoch_cpu.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "rows": all_rows}, f, indent=1)
+            json.dump({**meta, "rows": rows}, f, indent=1)
+    if args.markdown or args.write_benchmarks:
+        text = markdown(rows, meta)
+        if args.markdown:
+            print("\n" + text)
+        if args.write_benchmarks:
+            write_section(args.write_benchmarks, text)
+            print(f"wrote the section {SECTION!r} of {args.write_benchmarks}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ def _info_args(p):
 
 def _info(args) -> int:
     from dblock.info import model_info
+    if not args.model.strip():
+        raise ValueError("info: empty model name; give a model folder or a bundled name (tiny-masked, tiny-uniform)")
     info = model_info(args.model)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -73,8 +75,12 @@ def _generate_args(p):
     add_decode_args(p)
     add_executor_args(p)
     add_batch_size_arg(p)
+    p.add_argument("--n", dest="samples", type=int_arg(1, 4096), default=1,
+                   help="samples per prompt (default 1): every prompt is decoded n times with seeds --seed, "
+                        "--seed+1, ...; outputs are printed prompt-major as [prompt.sample]")
     p.add_argument("--trace", default=None, help="write a JSON-lines per-pass trace to this file")
-    p.add_argument("--json", action="store_true", help="print {tokens, text, counters} as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print {tokens, text, finish_reason, n, counters} as JSON (outputs prompt-major)")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
 
 
@@ -84,11 +90,11 @@ def _generate(args) -> int:
 
     if not args.prompt and not args.prompt_ids:
         raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
-    if args.trace:
+    if args.trace is not None:
         check_out_file(args.trace, "--trace")
     # everything that can be refused is refused from config.json and tokenizer.json, before the weights are read
     folder, cfg = model_config(args)
-    dec = decode_config(args, cfg.family)
+    dec = decode_config(args, cfg.family, tokenizer=folder)
     spec = schedule_from_args(args)
     texts = args.prompt or []
     labels = [f"--prompt [{i}]" if len(texts) > 1 else "--prompt" for i in range(len(texts))]
@@ -114,15 +120,16 @@ def _generate(args) -> int:
         show = (args.progress or len(prompts) > 8) and is_rank0()
         res = generate(fwd, prompts, dec, spec, trace=tr, progress=show, batch_size=args.batch_size)
     texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens] if tok is not None else None
-    out = {"tokens": res.tokens, "counters": {"summary": res.summary(),
-                                              "per_request": [c.as_dict() for c in res.counters]}}
+    out = {"tokens": res.tokens, "finish_reason": res.finish_reasons, "n": res.n,
+           "counters": {"summary": res.summary(), "per_request": [c.as_dict() for c in res.counters]}}
     if texts is not None:
         out["text"] = texts
     if args.json:
         print(json.dumps(out))
         return 0
     for i, t in enumerate(res.tokens):
-        print(f"[{i}] " + (texts[i] if texts is not None else ",".join(map(str, t))))
+        label = f"[{i}]" if res.n == 1 else f"[{i // res.n}.{i % res.n}]"
+        print(f"{label} " + (texts[i] if texts is not None else ",".join(map(str, t))))
     s = res.summary()
     print(f"Y={s['Y']} K={s['K']} F={s['F']} Q={s['Q']} TPF={s['TPF']:.3f} T_den={s['T_den_ms']:.2f}ms "
           f"TPS={s['TPS']:.1f} wall_TPS={s['wall_TPS']:.1f}")
@@ -134,12 +141,14 @@ def _make_tiny_args(p):
                    help="model family")
     p.add_argument("--out", required=True, help="output folder (config.json + model.safetensors)")
     p.add_argument("--seed", type=seed_arg, default=0, help="weight seed in [0, 2**63-1]")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out as a whole when it holds something (default: refuse a non-empty folder)")
 
 
 def _make_tiny(args) -> int:
     from dblock.tiny import make_tiny
     check_out_dir(args.out, "--out")
-    make_tiny(args.family, args.out, seed=args.seed)
+    make_tiny(args.family, args.out, seed=args.seed, overwrite=args.overwrite)
     print(f"wrote a random tiny {args.family} checkpoint to {args.out}")
     return 0
 

@@ -50,17 +50,36 @@ CHARS_PER_POSITION = 16
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with dblock's error format: a usage error is one line on stderr, `dblock: error: ...` naming the
-    argument (argparse's own text) and the command whose --help explains it, exit status 2. Subcommand parsers
-    inherit the class (argparse builds them with the parent's type)."""
+    flag and the command whose --help explains it, exit status 2. A value refused by one of the types below reads
+    `--flag VALUE: reason and the allowed range`; argparse's own errors (unknown flag, invalid choice, missing
+    value) keep argparse's text. Subcommand parsers inherit the class (argparse builds them with the parent's
+    type)."""
 
     def error(self, message):
         text = " ".join(str(message).split())
+        if text.startswith("argument ") and _VALUE_MARK in text:     # `argument -x/--flag: <mark>VALUE: reason`
+            names, _, rest = text[len("argument "):].partition(": " + _VALUE_MARK)
+            text = f"{names.split('/')[-1]} {rest}"
         self.exit(2, f"dblock: error: {text} (see `{self.prog} --help`)\n")
+
+
+#: the types' messages start with it, so that `ArgumentParser.error` can put the flag in front of the value
+_VALUE_MARK = "= "
+
+
+class ValueRefused(argparse.ArgumentTypeError):
+    """A flag's value out of its range; the message is `VALUE: reason`."""
+
+    def __init__(self, value, reason: str):
+        super().__init__(f"{_VALUE_MARK}{_show(value)}: {reason}")
 
 
 def _show(s) -> str:
     """A value as the user typed it, kept short."""
-    s = str(s)
+    try:
+        s = str(s)
+    except ValueError:            # an int beyond str()'s digit limit
+        return "<a huge integer>"
     return s if len(s) <= 60 else s[:57] + "..."
 
 
@@ -71,16 +90,23 @@ def _range_text(lo, hi, lo_open=False, hi_open=False) -> str:
     return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 
 
-def int_arg(lo: int, hi: int | None = None, hi_text: str | None = None):
-    """argparse `type`: an integer in [lo, hi] (hi None: no upper bound)."""
+def int_arg(lo: int, hi: int | None = None, hi_text: str | None = None, allowed: str | None = None):
+    """argparse `type`: an integer in [lo, hi] (hi None: no upper bound). `hi_text` spells hi in messages;
+    `allowed` replaces the "give an integer in ..." phrase."""
+    rng = f"in [{lo}, {hi_text or hi}]" if hi is not None else f">= {lo}"
+    give = allowed or f"give an integer {rng}"
+
     def parse(s):
         try:
             v = int(str(s).strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{_show(s)!r} is not an integer") from None
+            digits = str(s).strip().lstrip("+-")
+            why = "out of range" if digits.isdigit() and digits.isascii() else "not an integer"
+            raise ValueRefused(s, f"{why}: {give}") from None
         if v < lo or (hi is not None and v > hi):
-            rng = (f"in [{lo}, {hi}]" if hi is not None else f">= {lo}") if hi_text is None else f"in [{lo}, {hi_text}]"
-            raise argparse.ArgumentTypeError(f"{_show(v)} is out of range: give an integer {rng}")
+            why = ("must be positive" if lo == 1 and v < 1 else "must be >= 0" if lo == 0 and v < 0 else
+                   "out of range")
+            raise ValueRefused(v, f"{why}: {give}")
         return v
     parse.__name__ = "int"
     return parse
@@ -88,16 +114,17 @@ def int_arg(lo: int, hi: int | None = None, hi_text: str | None = None):
 
 def float_arg(lo: float, hi: float | None = None, lo_open: bool = False, hi_open: bool = False):
     """argparse `type`: a finite number in the interval (NaN and inf are refused)."""
+    rng = _range_text(lo, hi, lo_open, hi_open)
+
     def parse(s):
         try:
             v = float(str(s).strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{_show(s)!r} is not a number") from None
-        rng = _range_text(lo, hi, lo_open, hi_open)
+            raise ValueRefused(s, f"not a number: give a number {rng}") from None
         if not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"{_show(s)} is not a finite number: give a number {rng}")
+            raise ValueRefused(s, f"not a finite number: give a number {rng}")
         if v < lo or (lo_open and v == lo) or (hi is not None and (v > hi or (hi_open and v == hi))):
-            raise argparse.ArgumentTypeError(f"{_show(s)} is out of range: give a number {rng}")
+            raise ValueRefused(s, f"out of range: give a number {rng}")
         return v
     parse.__name__ = "float"
     return parse
@@ -106,18 +133,25 @@ def float_arg(lo: float, hi: float | None = None, lo_open: bool = False, hi_open
 seed_arg = int_arg(0, MAX_SEED, "2**63-1")
 seed_arg.__doc__ = "argparse `type`: a seed in [0, 2**63-1]."
 
+port_arg = int_arg(0, 65535, allowed="give a TCP port in [1, 65535], or 0 for any free port (printed at startup)")
+port_arg.__doc__ = "argparse `type`: a TCP port in [1, 65535], or 0 (the system picks a free one)."
+
 
 def seeds_arg(s):
     """argparse `type`: comma-separated seeds, each in [0, 2**63-1]."""
     items = [x for x in str(s).replace(" ", "").split(",") if x != ""]
     if not items:
-        raise argparse.ArgumentTypeError(f"{_show(s)!r}: give comma-separated integers, e.g. 0,1,2")
+        raise ValueRefused(s, "give comma-separated integers, e.g. 0,1,2")
     out = []
     for x in items:
         try:
-            out.append(seed_arg(x))
-        except argparse.ArgumentTypeError as e:
-            raise argparse.ArgumentTypeError(f"{_show(s)!r}: {e}") from None
+            v = int(x)
+        except ValueError:
+            raise ValueRefused(s, f"{_show(x)!r} is not an integer: give comma-separated seeds in [0, 2**63-1]") \
+                from None
+        if not 0 <= v <= MAX_SEED:
+            raise ValueRefused(s, f"seed {_show(v)} is out of range: give seeds in [0, 2**63-1]")
+        out.append(v)
     return out
 
 
@@ -135,16 +169,69 @@ def temperature_arg(s):
     except ValueError:
         vals = []
     if len(vals) != 2:
-        raise argparse.ArgumentTypeError(f"{_show(s)!r}: give t_max,t_min, e.g. 0.8,0.4")
+        raise ValueRefused(s, "give t_max,t_min, e.g. 0.8,0.4")
     rng = f"[{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}]"
     for name, v in zip(("t_max", "t_min"), vals):
         if not math.isfinite(v) or not TEMPERATURE_MIN <= v <= TEMPERATURE_MAX:
-            raise argparse.ArgumentTypeError(f"{_show(s)!r}: {name}={v:g} is out of range: give finite numbers in "
-                                             f"{rng}")
+            why = "not finite" if not math.isfinite(v) else "out of range"
+            raise ValueRefused(s, f"{name}={v:g} is {why}: give t_max,t_min, finite numbers in {rng}")
     if vals[0] < vals[1]:
-        raise argparse.ArgumentTypeError(f"{_show(s)!r}: t_max={vals[0]:g} < t_min={vals[1]:g}: the temperature "
-                                         "falls from t_max to t_min, so give t_max >= t_min (equal: constant)")
+        raise ValueRefused(s, f"t_max={vals[0]:g} < t_min={vals[1]:g}: the temperature falls from t_max to t_min, so "
+                              "give t_max >= t_min (equal: constant)")
     return tuple(vals)
+
+
+#: the masked families' sampling temperature (dblock/decoding/params.py): 0 = greedy, else [1e-4, 1e4]
+SAMPLING_TEMPERATURE_MIN, SAMPLING_TEMPERATURE_MAX = 1e-4, 1e4
+
+
+def sampling_temperature_arg(s):
+    """argparse `type`: the masked families' token-sampling temperature, 0 (greedy) or a finite number in
+    [1e-4, 1e4] (dblock/decoding/params.py `check_temperature`)."""
+    rng = f"0 (greedy) or a number in [{SAMPLING_TEMPERATURE_MIN:g}, {SAMPLING_TEMPERATURE_MAX:g}]"
+    try:
+        v = float(str(s).strip())
+    except ValueError:
+        raise ValueRefused(s, f"not a number: give {rng}") from None
+    if not math.isfinite(v):
+        raise ValueRefused(s, f"not a finite number: give {rng}")
+    if not (v == 0 or SAMPLING_TEMPERATURE_MIN <= v <= SAMPLING_TEMPERATURE_MAX):
+        raise ValueRefused(s, f"out of range: give {rng}")
+    return v
+
+
+def temperature_flag_arg(s):
+    """argparse `type` of `--temperature`: one number T (float: the masked families' sampling temperature, as
+    `sampling_temperature_arg`) or `t_max,t_min` (tuple: DiffusionGemma's entropy-bound schedule, as
+    `temperature_arg`). Which one the model takes is decided in `decode_config`, per family."""
+    if "," not in str(s):
+        try:
+            return sampling_temperature_arg(s)
+        except argparse.ArgumentTypeError:
+            raise ValueRefused(s, "give one number T (masked models: sampling temperature, 0 = greedy, or in "
+                                  f"[{SAMPLING_TEMPERATURE_MIN:g}, {SAMPLING_TEMPERATURE_MAX:g}]) or t_max,t_min "
+                                  "(DiffusionGemma, e.g. 0.8,0.4)") from None
+    return temperature_arg(s)
+
+
+def token_ids_arg(s):
+    """argparse `type`: comma-separated token ids (integers >= 0), e.g. 1,7."""
+    items = [x for x in str(s).replace(" ", "").split(",") if x != ""]
+    if not items:
+        raise ValueRefused(s, "give comma-separated token ids (integers >= 0), e.g. 1,7")
+    out = []
+    for x in items:
+        try:
+            v = int(x)
+        except ValueError:
+            raise ValueRefused(s, f"{_show(x)!r} is not an integer: give comma-separated token ids (integers >= 0)") \
+                from None
+        if v < 0:
+            raise ValueRefused(s, f"token id {v} is negative: give token ids >= 0")
+        if v >= MAX_TOKENS:
+            raise ValueRefused(s, f"token id {_show(v)} is out of range: give token ids below the vocabulary size")
+        out.append(v)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,7 +240,8 @@ def temperature_arg(s):
 
 def add_model_args(p, required=True):
     p.add_argument("--model", required=required,
-                   help="model folder (HF config.json + safetensors) or bundled name: tiny-masked, tiny-uniform")
+                   help="model folder (HF config.json + safetensors), bundled name (tiny-masked, tiny-uniform), or a "
+                        "Hugging Face id org/name[@revision] already in the local HF cache (never downloaded)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float64", "float16"],
                    help="compute dtype (default: float32 on cpu, the stored dtype on cuda)")
@@ -174,7 +262,7 @@ def add_decode_args(p):
     g.add_argument("--rule", default=None, choices=["threshold", "fixed-k", "entropy-bound"],
                    help="step rule (default: threshold for masked models, entropy-bound for uniform-state)")
     g.add_argument("--threshold", type=float_arg(0.0, 1.0, lo_open=True), default=0.95,
-                   help="threshold rule: commit when confidence >= tau, tau in (0, 1]")
+                   help="threshold rule: commit when confidence > tau, tau in (0, 1] (--threshold-inclusive: >=)")
     g.add_argument("--max-steps", type=int_arg(1, MAX_STEPS), default=64,
                    help=f"threshold rule: passes per block before commit-all (1..{MAX_STEPS})")
     g.add_argument("--steps", type=int_arg(1, MAX_STEPS), default=None,
@@ -184,12 +272,15 @@ def add_decode_args(p):
                    help="llada2_moe: recompute the whole prefix every pass instead of the exact KV cache")
     g.add_argument("--seed", type=seed_arg, default=0,
                    help="noise seed in [0, 2**63-1] (uniform-state; Native: same stream as torch.manual_seed(S) + "
-                        "transformers)")
+                        "transformers; masked models: the sampling draws when --temperature > 0)")
     g.add_argument("--entropy-bound", type=float_arg(0.0), default=0.1,
                    help="entropy-bound rule: budget b >= 0 (default 0.1)")
-    g.add_argument("--temperature", type=temperature_arg, default=(0.8, 0.4),
-                   help="entropy-bound rule: t_max,t_min with t_max >= t_min, each in "
-                        f"[{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}] (default 0.8,0.4)")
+    g.add_argument("--temperature", type=temperature_flag_arg, default=None,
+                   help="masked models: one number T, the token sampling temperature (the same as "
+                        "--sampling-temperature; default 0 = greedy); DiffusionGemma (entropy-bound rule): t_max,t_min "
+                        f"with t_max >= t_min, each in [{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}] (default 0.8,0.4; "
+                        "T,T is a constant temperature). A pair on a masked model or one number on DiffusionGemma is "
+                        "refused")
     g.add_argument("--stability", type=int_arg(0, MAX_STEPS), default=1,
                    help="entropy-bound stop: argmax stable for this many steps")
     g.add_argument("--confidence", type=float_arg(0.0), default=0.005,
@@ -200,6 +291,36 @@ def add_decode_args(p):
     g.add_argument("--window", type=int_arg(2, 4), default=None, help="flowblock: blocks in flight W (2..4, default 2)")
     g.add_argument("--gate", type=float_arg(0.0, 1.0), default=None,
                    help="flowblock: readiness gate gamma in [0, 1] (default 0.5)")
+    # masked models' sampler and upstream parity options (docs/algorithms.md §2.1, §2.4, §2.5)
+    g.add_argument("--sampling-temperature", type=sampling_temperature_arg, default=None,
+                   help="masked models: token sampling temperature (0 = greedy argmax; > 0 samples from softmax(z/T) "
+                        "after --top-k/--top-p, confidence = the sampled token's probability, as LLaDA2.0); "
+                        "DiffusionGemma uses --temperature t_max,t_min")
+    g.add_argument("--top-p", type=float_arg(0.0, 1.0, lo_open=True), default=None,
+                   help="masked models, with --temperature > 0: nucleus filter p in (0, 1] (default 1 = off)")
+    g.add_argument("--top-k", type=int_arg(0, MAX_TOKENS), default=None,
+                   help="masked models, with --temperature > 0: keep the k most likely tokens (default 0 = off)")
+    g.add_argument("--threshold-inclusive", action="store_true",
+                   help="threshold rule: commit when confidence >= tau (dblock's earlier rule; default > tau, as "
+                        "LLaDA2.0)")
+    g.add_argument("--threshold-steps", type=int_arg(1, MAX_STEPS), default=None,
+                   help="threshold rule: LLaDA2.0's steps S, each pass commits at least its share of the block "
+                        f"(1..{MAX_STEPS}; default off)")
+    g.add_argument("--mask-policy", default="exclude", choices=["exclude", "official", "ineligible"],
+                   help="masked models: may the MASK id be predicted: exclude (default; never), official (LLaDA, "
+                        "LLaDA2.0: yes, a MASK commit is wasted), ineligible (dInfer: such a row cannot commit)")
+    # stop conditions, both families (docs/algorithms.md §2.6)
+    g.add_argument("--stop-token-ids", type=token_ids_arg, default=None,
+                   help="more token ids that end generation like EOS, comma-separated (kept in the output)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT_OR_IDS",
+                   help="a stop sequence, repeatable: text (tokenized with the model's tokenizer.json) or token ids "
+                        "ID,ID; 'text:...' forces text, 'ids:...' ids. Generation ends at its first occurrence, "
+                        "kept in the output like EOS")
+    g.add_argument("--min-tokens", type=int_arg(0, MAX_TOKENS), default=0,
+                   help="no stop (EOS, stop id, stop sequence) before this many generated tokens (<= "
+                        "--max-new-tokens; default 0)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="EOS does not end generation (stop ids and --stop still do): decode to --max-new-tokens")
 
 
 def add_batch_size_arg(p, default=None, help_=None):
@@ -230,6 +351,12 @@ def add_executor_args(p):
                    help="Expert Atlas experts added per repair round (default K)")
     g.add_argument("--use-triton", action="store_true",
                    help="run the epoch executor's Triton kernels (interpreter on a machine without a GPU)")
+    g.add_argument("--epoch-path", default=None, choices=["auto", "epoch", "dense"],
+                   help="epoch executor: per block and pass, auto (default) takes the dense path where skipping "
+                        "cannot pay (the cost rule of docs/algorithms.md §4.1); epoch or dense pin one path")
+    g.add_argument("--path-profile", default=None, metavar="JSON",
+                   help="epoch executor: a measured path model {moe_share, overhead_share} for the auto rule "
+                        "(benchmarks/epoch_cpu.py measures one); default: the cost model's")
     # expert/sequence-parallel MoE on torch.distributed (dblock.optimized.ep)
     g.add_argument("--ep", type=int_arg(1, 4096), default=None,
                    help="expert-parallel ranks: launch with torchrun --nproc-per-node N -m dblock ... --ep N (gloo on "
@@ -244,26 +371,119 @@ def add_executor_args(p):
 # parsed arguments -> decode config, schedule, model config (checked before the weights are read)
 # ---------------------------------------------------------------------------------------------------------------
 
-def decode_config(args, family: str):
+def decode_config(args, family: str, tokenizer=None):
+    """Parsed decoding flags -> a validated `DecodeConfig` for a model of `family`; every refusal names its flag.
+
+    `--temperature` is resolved per family: one number is the masked families' sampling temperature (the same as
+    `--sampling-temperature`), `t_max,t_min` DiffusionGemma's entropy-bound schedule; the other combination is
+    refused, as are the masked sampler's flags (--sampling-temperature, --top-p, --top-k, --mask-policy) on
+    DiffusionGemma. `tokenizer` (a loaded tokenizer, or the model folder / loaded model to read tokenizer.json from,
+    only when needed) encodes text `--stop` sequences; `--n` (samples per prompt) is read where the command has it
+    (`generate`: `args.samples`)."""
     from dblock.config import DecodeConfig
     from dblock.errors import ConfigError
-    temp = args.temperature
-    if isinstance(temp, str):                  # a parser built without `temperature_arg`
+    gemma = family == "diffusion_gemma"
+    temp = getattr(args, "temperature", None)
+    if isinstance(temp, str):                  # a parser built without `temperature_flag_arg`
         try:
-            temp = temperature_arg(temp)
+            temp = temperature_flag_arg(temp)
         except argparse.ArgumentTypeError as e:
-            raise ConfigError(f"--temperature {e}") from None
-    rule = args.rule or ("entropy-bound" if family == "diffusion_gemma" else "threshold")
-    if family == "diffusion_gemma" and rule != "entropy-bound":
+            raise ConfigError(f"--temperature {str(e).removeprefix(_VALUE_MARK)}") from None
+    if isinstance(temp, (list, tuple)) and len(temp) == 1:
+        temp = float(temp[0])
+    st = getattr(args, "sampling_temperature", None)
+    top_p, top_k = getattr(args, "top_p", None), getattr(args, "top_k", None)
+    mask_policy = getattr(args, "mask_policy", None) or "exclude"
+    if gemma:
+        if isinstance(temp, (int, float)):
+            raise ConfigError(f"--temperature {temp:g}: one number is the masked models' sampling temperature; "
+                              f"{family} samples with the entropy-bound schedule: give t_max,t_min (e.g. 0.8,0.4; "
+                              f"{max(temp, TEMPERATURE_MIN):g},{max(temp, TEMPERATURE_MIN):g} for a constant "
+                              "temperature)")
+        for flag, v, neutral in (("--sampling-temperature", st, 0.0), ("--top-p", top_p, 1.0),
+                                 ("--top-k", top_k, 0), ("--mask-policy", mask_policy, "exclude")):
+            if v is not None and v != neutral:
+                raise ConfigError(f"{flag} {v}: a masked-model option; {family} is uniform-state and samples with "
+                                  "the entropy-bound rule (--temperature t_max,t_min, --seed)")
+        schedule_t = (0.8, 0.4) if temp is None else tuple(temp)
+        sampling_t = 0.0
+    else:
+        if isinstance(temp, (list, tuple)):
+            raise ConfigError(f"--temperature {','.join(f'{t:g}' for t in temp)}: t_max,t_min is DiffusionGemma's "
+                              f"entropy-bound schedule; {family} is masked: give one number T, the sampling "
+                              "temperature (0 = greedy)")
+        if temp is not None and st is not None and float(temp) != float(st):
+            raise ConfigError(f"--temperature {temp:g} and --sampling-temperature {st:g}: the same setting on a "
+                              "masked model; give one of them")
+        schedule_t = (0.8, 0.4)
+        sampling_t = float(temp if temp is not None else st if st is not None else 0.0)
+    rule = args.rule or ("entropy-bound" if gemma else "threshold")
+    if gemma and rule != "entropy-bound":
         raise ConfigError(f"--rule {rule}: diffusion_gemma is uniform-state and decodes with entropy-bound")
-    if family != "diffusion_gemma" and rule == "entropy-bound":
+    if not gemma and rule == "entropy-bound":
         raise ConfigError(f"--rule {rule}: the uniform-state rule; {family} is masked diffusion (threshold, fixed-k)")
     if args.no_cache and family != "llada2_moe":
         raise ConfigError(f"--no-cache applies to llada2_moe's block-causal grid, not {family}")
+    threshold_steps = getattr(args, "threshold_steps", None)
+    if threshold_steps is not None and rule != "threshold":
+        raise ConfigError(f"--threshold-steps {threshold_steps}: the threshold rule's LLaDA2.0 quota; the rule here is "
+                          f"{rule}")
+    min_tokens = getattr(args, "min_tokens", 0) or 0
+    if min_tokens > args.max_new_tokens:
+        raise ConfigError(f"--min-tokens {min_tokens}: at most --max-new-tokens {args.max_new_tokens}")
+    n = getattr(args, "samples", None) or 1
+    if n > 1:
+        check_seed_span(args.seed, n, "--seed")
     return DecodeConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size, rule=rule,
                         threshold=args.threshold, max_steps=args.max_steps, steps=args.steps,
                         no_cache=args.no_cache, seed=args.seed, entropy_bound=args.entropy_bound,
-                        temperature=tuple(temp), stability=args.stability, confidence=args.confidence).validate()
+                        temperature=schedule_t, stability=args.stability, confidence=args.confidence,
+                        threshold_inclusive=bool(getattr(args, "threshold_inclusive", False)),
+                        threshold_steps=threshold_steps, mask_policy=mask_policy, sampling_temperature=sampling_t,
+                        top_p=1.0 if top_p is None else top_p, top_k=0 if top_k is None else top_k,
+                        stop_token_ids=tuple(getattr(args, "stop_token_ids", None) or ()),
+                        stop=stop_sequences_arg(getattr(args, "stop", None) or (), tokenizer),
+                        min_tokens=min_tokens, ignore_eos=bool(getattr(args, "ignore_eos", False)),
+                        n=n).validate()
+
+
+def stop_sequences_arg(values, tokenizer=None) -> tuple:
+    """`--stop` values -> token-id sequences. A value of comma-separated integers (`5` or `12,7`), or `ids:...`, is
+    token ids; anything else, or `text:...`, is text, encoded by the model's tokenizer without special tokens (the
+    spelling of a special token stays plain text). `tokenizer`: a loaded tokenizer, or a model folder / loaded
+    model whose tokenizer.json is read when a text value needs it."""
+    import re
+
+    from dblock.errors import ConfigError
+    ids_re = re.compile(r"\s*\d+(\s*,\s*\d+)*\s*")
+    out, tok = [], tokenizer
+    for v in values:
+        v = str(v)
+        if v.startswith("ids:") or (not v.startswith("text:") and ids_re.fullmatch(v)):
+            try:
+                out.append(tuple(token_ids_arg(v.removeprefix("ids:"))))
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"--stop {str(e).removeprefix(_VALUE_MARK)}") from None
+            continue
+        text = v.removeprefix("text:")
+        if tok is not None and (isinstance(tok, (str, os.PathLike)) or hasattr(tok, "source")):
+            tok = load_tokenizer(tok)
+        if tok is None:
+            raise ConfigError(f"--stop {_show(text)!r}: a text stop sequence needs the model's tokenizer.json; give "
+                              "token ids (--stop ID,ID)")
+        from dblock.tasks.tokenizer import encode_prompt
+        out.append(tuple(encode_prompt(tok, text, False, add_special_tokens=False, name=f"--stop {_show(text)!r}")))
+    return tuple(out)
+
+
+def check_stops(cfg, dec) -> None:
+    """Stop token ids (--stop-token-ids, --stop) inside the model's vocabulary, before the weights are read."""
+    from dblock.errors import ConfigError
+    V = cfg.vocab_size
+    for flag, ids in [("--stop-token-ids", dec.stop_token_ids)] + [("--stop", s) for s in dec.stop]:
+        bad = next((t for t in ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise ConfigError(f"{flag}: token id {_show(bad)} outside the vocabulary 0..{V - 1}")
 
 
 def schedule_from_args(args):
@@ -304,6 +524,9 @@ def model_config(args):
     """(folder, config) of `--model`, read from config.json alone (no weights), after checking `--device`."""
     from dblock.config import load_config
     from dblock.weights import resolve_model_path
+    from dblock.errors import ConfigError
+    if not str(args.model or "").strip():
+        raise ConfigError("--model: empty; give a model folder or a bundled name (tiny-masked, tiny-uniform)")
     if getattr(args, "device", None) is not None:
         check_device(args.device)
     folder = resolve_model_path(args.model)
@@ -334,9 +557,11 @@ def control_ids(cfg) -> set:
 
 def check_fits(cfg, dec, spec, prompts) -> None:
     """Refuse, with the numbers, what cannot run on this model: a block larger than its positions, a prompt token
-    outside the vocabulary, a prompt whose prompt + --max-new-tokens needs more than max_position_embeddings.
+    outside the vocabulary, a prompt whose prompt + --max-new-tokens needs more than max_position_embeddings, a stop
+    token id outside the vocabulary (`check_stops`).
     `prompts`: (label, token ids) pairs, the label naming where the prompt came from (`--prompt [0]`)."""
     from dblock.errors import ConfigError
+    check_stops(cfg, dec)
     family = cfg.family
     width = getattr(spec, "width", 1) or 1
     block = (dec.block_size or cfg.block_size) * width
@@ -383,7 +608,10 @@ def load_model(args):
     device = args.device
     if device == "cuda" and "LOCAL_RANK" in os.environ:      # torchrun: one GPU per process
         device = f"cuda:{os.environ['LOCAL_RANK']}"
-    return dblock.load(args.model, dtype=dtype, device=device)
+    progress = True if getattr(args, "progress", False) else None     # None: a bar on a terminal for big loads
+    if not is_rank0():
+        progress = False
+    return dblock.load(args.model, dtype=dtype, device=device, progress=progress)
 
 
 def under_torchrun() -> bool:
@@ -412,7 +640,21 @@ def make_forward(model, args):
     return epoch_forward(model, args.epoch_config, refresh=args.refresh, atlas_alpha=args.atlas_alpha,
                          atlas_q=args.atlas_q, update_every=args.update_every, use_triton=args.use_triton,
                          dispatcher=dispatcher, atlas_m=args.atlas_m, atlas_B=args.atlas_B,
-                         atlas_beta=args.atlas_beta, atlas_c=args.atlas_c)
+                         atlas_beta=args.atlas_beta, atlas_c=args.atlas_c, path=args.epoch_path,
+                         path_model=_path_model(args.path_profile))
+
+
+def _path_model(path):
+    """--path-profile FILE -> PathModel (a missing or malformed file is one error naming it)."""
+    if path is None:
+        return None
+    from dblock.optimized.plan import PathModel
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--path-profile {path}: no such file")
+    try:
+        return PathModel.load(path)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--path-profile {path}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -428,14 +670,8 @@ def load_tokenizer(model_or_folder):
     path = os.path.join(folder or "", "tokenizer.json")
     if not os.path.isfile(path):
         return None
-    from tokenizers import Tokenizer
-
-    from dblock.errors import ConfigError
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # the tokenizers package raises a bare Exception with serde's message
-        detail = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{path}: not a valid tokenizer.json ({detail})") from None
+    from dblock.tasks.tokenizer import read_tokenizer
+    return read_tokenizer(path)
 
 
 def encode_texts(tok, texts, cfg, labels, allow_special: bool = False, where: str = "") -> list:
@@ -496,7 +732,8 @@ def check_out_file(path: str, flag: str = "--out") -> None:
         raise ConfigError(f"{flag} {path}: is a folder; give a file path")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ConfigError(f"{flag} {path}: the folder {parent} does not exist")
+        what = "is not a folder" if os.path.exists(parent) else "does not exist"
+        raise ConfigError(f"{flag} {path}: {parent} {what}")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ConfigError(f"{flag} {path}: the file is not writable")
     if not os.path.exists(path) and not os.access(parent, os.W_OK):

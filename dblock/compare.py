@@ -1,10 +1,14 @@
 """`dblock compare-schedules`: every schedule on the same prompts and seeds, in the shape of the One Block Ahead
 paper's Tables 1–2.
 
-Per schedule: TPF = ΣY/ΣQ; TPS = ΣY / denoising wall time; T_den = mean wall time of a denoising call; r = T_den /
-T_den(Native C) (measured at batch 1 unless --batch-size says otherwise, as the paper measures r); n = F/K passes per
-block; naive ᾱ = n̄/n − 1 with n̄ the Native(C) passes per block; fitted α from Eq. 6 (`dblock.simulator.oba.
-fit_alpha`, single root on [−1/2, 1)); the break-even verdict α > r − 1; the first-pass statistic of the paper's
+Per schedule: TPF = ΣY/ΣQ; TPS = ΣY / denoising wall time; T_den = mean wall time of a denoising call; r = the
+schedule's pass over Native(C)'s pass on the same rows (docs/counters.md), from thread-CPU time: at batch 1 it is
+T_den_cpu / T_den_cpu(Native C), as the paper measures it; at a larger --batch-size a multi-block schedule's calls are
+also timed with each request's extra blocks removed (`dblock.simulator.measure.TimedForward`, shadow "strip"), r is
+the ratio of the two, and β = the baseline pass's cost per request at this schedule's batch composition over at
+Native's (1 at batch 1); n = F/K passes per block; naive ᾱ = n̄/n − 1 with n̄ the Native(C) passes per block; fitted α
+from Eq. 6 (`dblock.simulator.oba.fit_alpha`, single root on [−1/2, 1)); the break-even verdict α > r − 1 (the fixed
+point; `TPS_ratio_identity` = (n̄/n)·ρ/(r·β) is the finite-length run's own); the first-pass statistic of the paper's
 Figure 2 (share of a block's positions accepted on its first pass as current block, and kept until commit);
 accuracy when a grader is given.
 
@@ -46,10 +50,14 @@ def run_schedule(fwd, prompts, dec, name: str, seeds, batch_size: Optional[int] 
                  trace: Optional[str] = None, grader=None, progress: bool = False) -> dict:
     spec = schedule_spec(name, window, gate)
     reqs = _requests(prompts, dec, seeds)
+    timed = None
+    if batch_size != 1 and name in MULTIBLOCK:
+        from dblock.simulator.measure import TimedForward   # r on the same rows: the baseline's pass timed beside
+        timed = TimedForward(fwd, shadow="strip", record=False)
     with TraceWriter(trace) as tr:
         if tr.enabled:
             tr.run_header(family=fwd.config.family, executor=fwd.name, schedule=spec.name, decode=vars(dec))
-        res = generate(fwd, reqs, dec, spec, trace=tr, progress=progress, batch_size=batch_size)
+        res = generate(timed or fwd, reqs, dec, spec, trace=tr, progress=progress, batch_size=batch_size)
     s = res.summary()
     blocks = [b for c in res.counters for b in c.blocks]
     positions = sum(b.size for b in blocks)
@@ -58,7 +66,9 @@ def run_schedule(fwd, prompts, dec, name: str, seeds, batch_size: Optional[int] 
            "n": s["F"] / s["K"] if s["K"] else math.nan, "tokens_per_block": s["Y"] / s["K"] if s["K"] else 0.0,
            "first_pass_accepted": sum(b.first_pass_accepted for b in blocks) / positions if positions else 0.0,
            "first_pass_kept": sum(b.first_pass_kept for b in blocks) / positions if positions else 0.0,
-           "blocks_per_response": s["K"] / len(reqs),
+           "blocks_per_response": s["K"] / len(reqs), "den_calls": s["denoise_calls"], "batch_size": batch_size,
+           "den_cpu_s": timed.den_s if timed else res.times.den_cpu_s,
+           "den_base_cpu_s": timed.den_base_s if timed else None,
            "per_request": {k: [getattr(c, k) for c in res.counters] for k in ("Y", "Q", "F", "K")}}
     if grader is not None:
         ok = [grader(r.prompt, toks) for r, toks in zip(reqs, res.tokens)]
@@ -102,13 +112,17 @@ def derive(rows: list, n_boot: int = 1000) -> list:
 
     base = next((r for r in rows if r["schedule"] == "native"), None)
     for r in rows:
-        r.update(r=None, alpha_naive=None, alpha=None, margin=None, verdict=None, alpha_note=None)
+        r.update(r=None, beta=None, alpha_naive=None, alpha=None, margin=None, verdict=None, alpha_note=None)
         if base is None or not base["T_den_ms"]:
             continue
-        r["r"] = r["T_den_ms"] / base["T_den_ms"]
+        r["r"], r["beta"] = _r_beta(r, base)
         r["TPF_ratio"] = r["TPF"] / base["TPF"] if base["TPF"] else None
         r["TPS_ratio"] = r["TPS"] / base["TPS"] if base["TPS"] else None
         nbar = base["F"] / base["K"]
+        if r["beta"] is not None and all(x.get(k) for x in (r, base) for k in ("Y", "K", "F")):
+            from dblock.simulator.oba import tps_ratio_identity
+            rho = (r["Y"] / r["K"]) / (base["Y"] / base["K"])
+            r["TPS_ratio_identity"] = tps_ratio_identity(nbar / (r["F"] / r["K"]), rho, r["r"], r["beta"])
         if r is not base and n_boot:
             r.update(paired_bootstrap(r, base, n_boot, alpha_fit=r["schedule"] != "native2c"))
         if r["schedule"] == "native2c":   # a wider block: alpha (passes saved per warm-up step) does not apply
@@ -126,6 +140,27 @@ def derive(rows: list, n_boot: int = 1000) -> list:
     return rows
 
 
+def _r_beta(row: dict, base: dict) -> tuple:
+    """(r, β) of a row against the Native(C) row (docs/counters.md), on thread-CPU time when the rows carry it.
+
+    With the baseline's pass timed on the same rows (`den_base_cpu_s`): r = den/den_base, β = (den_base/F) /
+    (den_native/F_native). At batch 1 every call carries one request in both runs: β = 1 and r = T_den ratio. Otherwise
+    (a single-block schedule batched by more than one) r is the per-request-pass time ratio and β is not separated
+    (None)."""
+    cpu = row.get("den_cpu_s") and base.get("den_cpu_s")
+    if row.get("den_base_cpu_s"):
+        r = row["den_cpu_s"] / row["den_base_cpu_s"]
+        return r, (row["den_base_cpu_s"] / row["F"]) / (base["den_cpu_s"] / base["F"])
+    if cpu and row.get("den_calls") and base.get("den_calls"):
+        t_row, t_base = row["den_cpu_s"] / row["den_calls"], base["den_cpu_s"] / base["den_calls"]
+    else:
+        t_row, t_base = row["T_den_ms"], base["T_den_ms"]
+    if row.get("batch_size", 1) == 1:
+        return t_row / t_base, 1.0
+    per_pass = (row["den_cpu_s"] / row["F"]) / (base["den_cpu_s"] / base["F"]) if cpu else t_row / t_base
+    return per_pass, None
+
+
 def compare_schedules(fwd, prompts: Sequence, dec: DecodeConfig, schedules: Sequence[str] = DEFAULT_SCHEDULES,
                       seeds: Sequence[int] = (0,), batch_size: Optional[int] = 1, window=None, gate=None,
                       trace_dir: Optional[str] = None, grader=None, progress: bool = False) -> list:
@@ -141,10 +176,10 @@ def compare_schedules(fwd, prompts: Sequence, dec: DecodeConfig, schedules: Sequ
 
 
 COLUMNS = [("schedule", "{:<12}"), ("TPF", "{:>6.2f}"), ("TPF_ratio_ci", "{:>13}"), ("TPS", "{:>8.1f}"), ("T_den_ms", "{:>8.2f}"),
-           ("r", "{:>5.2f}"), ("n", "{:>6.2f}"), ("alpha_naive", "{:>6.2f}"), ("alpha", "{:>6.2f}"),
+           ("r", "{:>5.2f}"), ("beta", "{:>5.2f}"), ("n", "{:>6.2f}"), ("alpha_naive", "{:>6.2f}"), ("alpha", "{:>6.2f}"),
            ("alpha_ci", "{:>13}"), ("margin", "{:>7.2f}"), ("verdict", "{:>13}"), ("first_pass_accepted", "{:>6.2f}"),
            ("accuracy", "{:>6.3f}")]
-HEADERS = {"schedule": "schedule", "TPF": "TPF", "TPF_ratio_ci": "TPF× 95% CI", "alpha_ci": "α 95% CI", "TPS": "TPS", "T_den_ms": "T_den ms", "r": "r", "n": "n/blk",
+HEADERS = {"schedule": "schedule", "TPF": "TPF", "TPF_ratio_ci": "TPF× 95% CI", "alpha_ci": "α 95% CI", "TPS": "TPS", "T_den_ms": "T_den ms", "r": "r", "beta": "β", "n": "n/blk",
            "alpha_naive": "ᾱ", "alpha": "α", "margin": "α-(r-1)", "verdict": "verdict",
            "first_pass_accepted": "1st-acc", "accuracy": "acc"}
 

@@ -8,7 +8,9 @@ families themselves are declared in dblock/families.py).
 
 Every value the executors do not implement is refused with a `ConfigError` naming the key and the allowed values;
 nothing is silently defaulted except the documented LLaDA token ids and block size, which real LLaDA configs do
-not carry (they are `generate` arguments upstream).
+not carry (they are `generate` arguments upstream). All families share one validation layer (dblock/validate.py):
+each key is typed, finite and in range (`LLADA2_KEYS`, `LLADA_MOE_KEYS`, `LLADA_FIELDS` here), and the model's
+size is bounded before anything is built from it.
 """
 from __future__ import annotations
 
@@ -300,8 +302,9 @@ def llada_config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
             # HF LLaDA2MoeGate always renormalises when top_k > 1, whatever norm_topk_prob says
             norm_topk_prob=True, use_qk_norm=opt("use_qk_norm", True), **common)
     else:
-        # moe_layer_freq: the int 1 (older copies) or the official list, one 0/1 entry per layer (1 = MoE)
-        freq, layers = d.get("moe_layer_freq", 1), d.get("num_hidden_layers")
+        # moe_layer_freq: the int 1 (older copies) or the official list, one 0/1 entry per layer (1 = MoE); null: 1
+        freq, layers = d.get("moe_layer_freq"), d.get("num_hidden_layers")
+        freq = 1 if freq is None else freq
         if isinstance(freq, list) and (len(freq) != layers or any(type(f) is not int or f not in (0, 1)
                                                                    for f in freq)):
             raise ConfigError(f"{source}: malformed moe_layer_freq={freq!r} (allowed: 1, or a list of "
@@ -425,6 +428,8 @@ class DecodeConfig:
                 raise ConfigError(f"{key}={getattr(self, key)}: must be finite")
         if not all(math.isfinite(t) for t in self.temperature):
             raise ConfigError(f"temperature={self.temperature}: give two finite positive values t_max,t_min")
+        if self.temperature[0] < self.temperature[1]:   # T falls from t_max to t_min (equal: constant)
+            raise ConfigError(f"temperature={self.temperature}: t_max must be >= t_min")
         from dblock.decoding import params as P
         P.check_bool("threshold_inclusive", self.threshold_inclusive)
         if self.threshold_steps is not None:
@@ -446,8 +451,8 @@ class DecodeConfig:
         P.check_bool("ignore_eos", self.ignore_eos)
         if not P.is_int(self.n) or self.n < 1:
             raise ConfigError(f"n={self.n!r}: allowed an integer >= 1")
-        if not P.is_int(self.seed):
-            raise ConfigError(f"seed={self.seed!r}: allowed an integer")
+        if not P.is_int(self.seed) or not 0 <= self.seed <= 2 ** 63 - 1:
+            raise ConfigError(f"seed={self.seed!r}: allowed an integer in [0, 2**63-1]")
         return self
 
     def replace(self, **kw) -> "DecodeConfig":

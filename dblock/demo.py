@@ -1,9 +1,20 @@
 """`make demo` / `dblock demo`: the main job.
 
 On the bundled trained models it answers held-out problems of the `arith-small` task under every executor and schedule
-that exists and prints one compact table: model × executor × schedule → accuracy, TPF, TPS, passes per block,
-speedup (TPS) over the reference dense Native run of the same model, then One Block Ahead's numbers: the fitted α,
-the measured r, the cost model's predicted TPS ratio (1 + α)/r beside the measured one, and the break-even verdict.
+that exists and prints one compact table: model × executor × schedule → accuracy, TPF, TPS, passes per block, and
+the TPS ratio over the reference dense Native row of the same model, **predicted and measured side by side**:
+
+* measured: every row decodes the same problems `repeats` times, interleaved with the other rows of its model, timed
+  in thread-CPU time (`dblock/simulator/measure.py`); the TPS ratio is the median of the per-repeat ratios and its
+  noise band their min..max. The verdict is "pays" / "does not pay" only when the whole band is on one side of 1,
+  else "within noise" — so it never contradicts the measurement beside it.
+* predicted (docs/counters.md, "TPS ratio"): TPS ratio = (n̄/n)·ρ/(r·β), with r the schedule's (or executor's)
+  pass over the baseline's pass on the same rows and β the batch-composition factor. On llada2_moe models every
+  factor comes from the simulator (`dblock/simulator/batch.py`) priced by the operator profile of this machine
+  (`dblock simulate profile`; measured once, about 40 s, when none is cached) on the counters of the Native run;
+  on masked models α = 0 by construction (a waiting block decodes nothing, docs/algorithms.md §3). Where a factor
+  cannot be predicted (DiffusionGemma: no δ for α, no operator profile), the measured value is used and
+  `prediction_note` says which.
 
 While no trained model is bundled, it decodes with a random tiny checkpoint and says so.
 """
@@ -11,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -28,6 +40,7 @@ PLAN = [
     ("tiny-uniform", "reference", None, "flowblock", {}),
 ]
 N_PROBLEMS = {"tiny-masked": 32, "tiny-uniform": 16}
+REPEATS = 3
 
 
 def _bundled() -> list:
@@ -57,98 +70,232 @@ def _random_demo(n, as_json) -> int:
     return 0
 
 
-def run_demo(n=None, as_json=False) -> int:
+def _label(schedule: str, extra: dict) -> str:
+    return schedule + (" no-cache" if extra.get("no_cache") else "")
+
+
+def _sim_schedule(schedule: str, extra: dict) -> str:
+    return "native_nocache" if extra.get("no_cache") else schedule
+
+
+def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None = None) -> int:
     bundled = _bundled()
     if not bundled:
         return _random_demo(n, as_json)
     import dblock
     from dblock.config import DecodeConfig
-    from dblock.optimized.executor import epoch_forward
     from dblock.decoding.generate import reference_forward
-    from dblock.tasks import get_task
-    from dblock.tasks.evaluate import TokenizerAdapter, evaluate
+    from dblock.optimized.executor import epoch_forward
+    from dblock.simulator import measure
+    from dblock.tasks import answer_text, get_task
+    from dblock.tasks.evaluate import TokenizerAdapter
 
     t0 = time.perf_counter()
     task = get_task("arith-small")   # what the bundled models are trained on (see their card.json)
-    models, rows = {}, []
-    for name, executor, econf, schedule, extra in PLAN:
-        if name not in bundled:
-            continue
-        if name not in models:
-            models[name] = dblock.load(name)
-        model = models[name]
+    rows = []
+    for name in [m for m in dict.fromkeys(p[0] for p in PLAN) if m in bundled]:
+        model = dblock.load(name)
         family = model.config.family
-        dec = DecodeConfig(max_new_tokens=128, rule="entropy-bound" if family == "diffusion_gemma" else "threshold",
-                           **extra)
-        fwd = reference_forward(model) if executor == "reference" else epoch_forward(model, econf)
+        tok = TokenizerAdapter.from_folder(model.source)
         k = n or N_PROBLEMS.get(name, 16)
-        r = evaluate(fwd, task, n=k, dec=dec, schedule=schedule, tokenizer=TokenizerAdapter.from_folder(model.source),
-                     seeds=[0])
-        label = schedule + (" no-cache" if extra.get("no_cache") else "")
-        rows.append({"model": name, "executor": executor + (f":{econf}" if econf else ""), "schedule": label,
-                     "n": k, "accuracy": r["accuracy"], "TPF": r["TPF"], "TPS": r["TPS"],
-                     "T_den_ms": r["T_den_ms"], "passes_per_block": r["passes_per_block_mean"],
-                     "F": r["F"], "K": r["K"], "R": k})
-    for name in models:
-        base = next((x for x in rows if x["model"] == name and x["executor"] == "reference"
-                     and x["schedule"] == "native"), None)
-        for x in rows:
-            if x["model"] == name and base:
-                x["speedup"] = x["TPS"] / base["TPS"] if base["TPS"] else None
-    oba = _oba_summary(rows)
-    if as_json:
-        print(json.dumps({"rows": rows, "oba": oba}, indent=2))
-        return 0
-    print(f"dblock demo: held-out arith-small problems on the bundled models ({', '.join(bundled)})\n")
-    hdr = f"{'model':<13} {'executor':<16} {'schedule':<16} {'acc':>5} {'TPF':>6} {'TPS':>8} {'pass/blk':>8} {'speedup':>7}"
-    print(hdr)
-    print("-" * len(hdr))
+        probs = task.examples("test", k)
+        prompts = [tok.encode(e.prompt) for e in probs]
+        fwds = {}
+        jobs, specs = {}, {}
+        for mname, executor, econf, schedule, extra in PLAN:
+            if mname != name:
+                continue
+            key = (executor, _label(schedule, extra))
+            if executor not in fwds:
+                fwds[executor] = reference_forward(model) if executor == "reference" else epoch_forward(model, econf)
+            dec = DecodeConfig(max_new_tokens=128, rule="entropy-bound" if family == "diffusion_gemma" else "threshold",
+                               **extra)
+            # the baseline's pass on the same rows is timed only where the batch compositions differ (a uniform-state
+            # schedule changes passes per block); elsewhere both runs batch the same requests alike and β = 1
+            shadow = "strip" if schedule in ("oba", "flowblock") and family == "diffusion_gemma" else None
+            jobs[key] = (lambda f=fwds[executor], d=dec, s=schedule, sh=shadow:
+                         measure.decode_run(f, prompts, d, s, None, shadow=sh, seeds=[0] * k))
+            specs[key] = (executor, econf, schedule, extra)
+        runs = measure.repeated(jobs, repeats)
+        base_key = ("reference", "native")
+        for key, rs in runs.items():
+            executor, econf, schedule, extra = specs[key]
+            med = measure.median_run(rs)
+            ok = [task.grade(e.prompt, answer_text(ids, tok)) for e, ids in zip(probs, rs[0]["tokens"])]
+            ratios = measure.paired_ratios(rs, runs[base_key]) if base_key in runs else [1.0]
+            mid, lo, hi = measure.noise_band(ratios)
+            rows.append({"model": name, "family": family, "executor": executor + (f":{econf}" if econf else ""),
+                         "schedule": _label(schedule, extra), "sim_schedule": _sim_schedule(schedule, extra),
+                         "n": k, "repeats": repeats, "accuracy": sum(ok) / len(ok), "TPF": med["Y"] / med["Q"],
+                         "TPS": med["TPS"], "T_den_ms": med["T_den_ms"], "passes_per_block": med["F"] / med["K"],
+                         "Y": med["Y"], "F": med["F"], "K": med["K"], "Q": med["Q"], "R": med["R"],
+                         "den_s": med["den_s"], "den_base_s": med["den_base_s"],
+                         "measured_tps_ratio": mid, "measured_band": [lo, hi], "speedup": mid,
+                         "_run": med, "_runs": rs})
+        _predict(name, model, rows, profile, as_json)
+        del model, fwds
     for x in rows:
-        print(f"{x['model']:<13} {x['executor']:<16} {x['schedule']:<16} {x['accuracy']:>5.2f} {x['TPF']:>6.2f} "
-              f"{x['TPS']:>8.1f} {x['passes_per_block']:>8.2f} {x.get('speedup') or 0:>6.2f}x")
-    if oba:
-        print("\nOne Block Ahead (cost model vs measurement; α from Eq. 6, r = T_den(OBA)/T_den(Native)):")
-        for o in oba:
-            a = "-" if o["alpha"] is None else f"{o['alpha']:.2f}"
-            pred = "-" if o["predicted_tps_ratio"] is None else f"{o['predicted_tps_ratio']:.2f}"
-            print(f"  {o['model']:<13} {o['executor']:<16} α {a}  r {o['r']:.2f}  predicted TPS ratio (1+α)/r "
-                  f"{pred}  measured {o['measured_tps_ratio']:.2f}  -> {o['verdict']}")
-    for x in rows:     # a schedule that changes answers is a finding, not a speedup: say so under the table
-        base = _native_row(rows, x["model"], "reference")
-        if base and x["schedule"] == "oba" and x["accuracy"] < base["accuracy"] - 0.1:
-            print(f"\nnote: {x['model']} {x['schedule']} ({x['executor']}) answers {x['accuracy']:.2f} vs "
-                  f"{base['accuracy']:.2f} under Native: its warm-up half reads a partly masked current block, a "
-                  "context the model's block-causal training never showed it, and the tokens it accepts there are "
-                  "kept (BENCHMARKS.md, 'Multi-block schedules').")
-            break
-    print(f"\n({time.perf_counter() - t0:.0f} s; TPS = tokens per second of denoising wall time on this CPU; "
-          "speedup = TPS over the reference dense Native row of the same model)")
+        for k in ("_run", "_runs", "sim_schedule"):
+            x.pop(k, None)
+    if as_json:
+        print(json.dumps({"rows": rows}, indent=2))
+        return 0
+    _print(rows, bundled, repeats, time.perf_counter() - t0)
     return 0
 
 
-def _native_row(rows, model: str, executor: str):
-    """The Native-schedule row of `model` under `executor` (the baseline of every ratio), or None."""
-    return next((b for b in rows if b["model"] == model and b["executor"] == executor and b["schedule"] == "native"),
-                None)
+def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> None:
+    """Fill predicted_tps_ratio, its interval, inputs and note on every row of `name` (see the module docstring)."""
+    import numpy as np
+
+    from dblock.simulator import batch, oba
+    mine = [x for x in rows if x["model"] == name]
+    base = next((x for x in mine if x["executor"] == "reference" and x["schedule"] == "native"), None)
+    if base is None:
+        return
+    prof = _profile_for(name, model, profile, quiet) if model.config.family == "llada2_moe" else None
+    wl, scale = None, 1.0
+    if prof is not None:
+        from dblock.simulator.profiler import drift
+        scale = drift(prof, model)["factor"]      # the machine's speed now against at profiling (anchors)
+        b = base["_run"]
+        wl = batch.Workload.from_runs(b["prompt_lens"], 128, b["blocks"], model.config.block_size)
+    for x in mine:
+        nbar, n = base["F"] / base["K"], x["F"] / x["K"]
+        rho = (x["Y"] / x["K"]) / (base["Y"] / base["K"])
+        per_repeat = []
+        for rb, rx in zip(base["_runs"], x["_runs"]):
+            try:
+                per_repeat.append(batch.decompose(dict(rb, den_base_s=rb["den_s"]), rx))
+            except ValueError:           # compositions differ and no baseline timing on the same rows
+                per_repeat = []
+                break
+        meas = {k: float(np.median([d[k] for d in per_repeat])) for k in ("nbar_over_n", "rho", "r", "beta",
+                                                                          "tps_ratio")} if per_repeat else None
+        x["measured_parts"] = None if meas is None else {k: meas[k] for k in ("nbar_over_n", "rho", "r", "beta")}
+        alpha = None
+        multi = x["schedule"] in ("oba", "flowblock")
+        if multi:
+            try:
+                alpha = oba.fit_alpha(x["F"], x["K"], x["R"], nbar)
+            except ValueError:
+                alpha = None
+        x["alpha"] = alpha
+        if x is base:
+            x.update(predicted_tps_ratio=1.0, predicted_interval=[1.0, 1.0], prediction_inputs={},
+                     prediction_note="the baseline", verdict="baseline", prediction_agrees=True)
+            continue
+        if prof is not None:
+            from dblock.simulator.profile import QUANTILES, ProfiledCost
+            ex = "epoch" if x["executor"].startswith("epoch") else "reference"
+            pred = {}
+            for q in QUANTILES:
+                ref = ProfiledCost(prof, "reference", q, scale)
+                sb = batch.simulate_batch(wl, "native", ref, None)
+                so = batch.simulate_batch(wl, batch.Schedule(x["sim_schedule"]), ProfiledCost(prof, ex, q, scale),
+                                          None, base_cost=ref)
+                pred[q] = (so.tps / sb.tps, batch.decompose(sb.summary(), so.summary()))
+            mid, parts = pred["median"]
+            x["predicted_tps_ratio"] = mid
+            x["predicted_interval"] = [min(v[0] for v in pred.values()), max(v[0] for v in pred.values())]
+            x["prediction_inputs"] = {
+                "alpha": {"value": 0.0 if multi else None,
+                          "source": "predicted: masked model, the waiting block decodes nothing" if multi else "-"},
+                "nbar_over_n": {"value": parts["nbar_over_n"], "source": "simulated from the Native counters"},
+                "rho": {"value": parts["rho"], "source": "simulated"},
+                "r": {"value": parts["r"], "source": "predicted: operator profile, same rows"},
+                "beta": {"value": parts["beta"], "source": "predicted: operator profile, batch composition"}}
+            what = ("α = 0 (masked: the waiting block decodes nothing), so every block runs its Native passes"
+                    if multi else "a single-block row: n = n̄")
+            x["prediction_note"] = (f"{what}; r and β predicted from the operator profile of "
+                                    f"{prof.meta.get('machine', '?')} (drift x{scale:.2f}) on the Native run's "
+                                    f"counters; finite-length run, all {x['R']} requests in one batch")
+        else:
+            if multi and alpha is not None:
+                phi = oba.transient_factor(alpha, x["K"], x["R"])
+                nbar_n = (1 + alpha) * phi
+                a_src = "measured (Eq. 6 on this run's counters): no δ is calibrated for this model"
+            else:
+                nbar_n, phi = nbar / n, 1.0
+                a_src = "measured n̄/n (α has no single root on these counters)" if multi else "-"
+            if per_repeat:
+                vals = [oba.tps_ratio_identity(nbar_n, rho, d["r"], d["beta"]) for d in per_repeat]
+                r, beta = meas["r"], meas["beta"]
+            else:                        # no same-rows timing: r·β from the per-request-pass times (β not split)
+                r, beta = (x["den_s"] / x["F"]) / (base["den_s"] / base["F"]), 1.0
+                vals = [oba.tps_ratio_identity(nbar_n, rho, r, beta)]
+            x["predicted_tps_ratio"] = float(np.median(vals))
+            x["predicted_interval"] = [float(min(vals)), float(max(vals))]
+            x["prediction_inputs"] = {
+                "alpha": {"value": alpha, "source": a_src},
+                "transient": {"value": phi, "source": "Eq. 6 finite-length factor 1/(1 + (R/K)·α/(1+α))"},
+                "rho": {"value": rho, "source": "measured"},
+                "r": {"value": r, "source": "measured: the baseline's pass timed on the same rows"},
+                "beta": {"value": beta, "source": "measured: baseline pass cost per request at this composition"}}
+            x["prediction_note"] = (f"missing for {model.config.family}: δ (so α is the measured one) and an operator "
+                                    "profile (so r and β are measured on the same rows); finite-length run "
+                                    f"(transient factor φ), all {x['R']} requests in one batch")
+        lo, hi = x["measured_band"]
+        x["verdict"] = _verdict(lo, hi)
+        p = x["predicted_tps_ratio"]
+        x["prediction_agrees"] = x["verdict"] == "within noise" or (p > 1) == (x["measured_tps_ratio"] > 1)
 
 
-def _oba_summary(rows) -> list:
-    from dblock.simulator.oba import fit_alpha, tps_ratio
-    out = []
-    for x in rows:
-        if x["schedule"] != "oba":
-            continue
-        base = _native_row(rows, x["model"], x["executor"])
-        if base is None or not base["T_den_ms"]:
-            continue
-        nbar = base["F"] / base["K"]
+def _verdict(lo: float, hi: float) -> str:
+    from dblock.simulator.measure import verdict
+    return verdict(lo, hi)
+
+
+def _profile_for(name: str, model, path: str | None, quiet: bool):
+    """The operator profile of `name` on this machine: `path`, else the cached default, else measured now (quick)."""
+    from dblock.simulator.profile import Profile, default_path
+    from dblock.simulator.profiler import Profiler, machine_tag
+    p = path or default_path(name, machine_tag())
+    if os.path.isfile(p):
         try:
-            alpha = fit_alpha(x["F"], x["K"], x["R"], nbar)
+            prof = Profile.load(p)
+            if prof.has("epoch_moe") and prof.meta.get("anchor"):
+                return prof
         except ValueError:
-            alpha = None
-        r = x["T_den_ms"] / base["T_den_ms"]
-        out.append({"model": x["model"], "executor": x["executor"], "alpha": alpha, "r": r,
-                    "predicted_tps_ratio": tps_ratio(alpha, r) if alpha is not None and 0 <= alpha < 1 else None,
-                    "measured_tps_ratio": x["TPS"] / base["TPS"] if base["TPS"] else 0.0,
-                    "verdict": "pays" if alpha is not None and alpha > r - 1 else "does not pay"})
-    return out
+            pass
+    print(f"demo: no operator profile of {name} on this machine yet: measuring a quick one (about 40 s; "
+          f"`dblock simulate profile --model {name}` measures the full one) -> {p}", file=sys.stderr)
+    from dblock.simulator.profiler import QUICK
+    prof = Profiler(model, name=name, **QUICK).run(("reference", "epoch"))
+    prof.meta["quick"] = True
+    prof.save(p)
+    return prof
+
+
+def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
+    print(f"dblock demo: held-out arith-small problems on the bundled models ({', '.join(bundled)})\n")
+    hdr = (f"{'model':<13} {'executor':<12} {'schedule':<16} {'acc':>5} {'TPF':>5} {'TPS':>8} {'pass/blk':>8}  "
+           f"{'TPS ratio: predicted':>21}  {'measured [band]':>20}  verdict")
+    print(hdr)
+    print("-" * len(hdr))
+    for x in rows:
+        p = x.get("predicted_tps_ratio")
+        lo, hi = x["measured_band"]
+        pred = f"{p:.2f}" if p is not None else "-"
+        agree = "" if x.get("prediction_agrees", True) else "  (prediction disagrees)"
+        print(f"{x['model']:<13} {x['executor']:<12} {x['schedule']:<16} {x['accuracy']:>5.2f} {x['TPF']:>5.2f} "
+              f"{x['TPS']:>8.0f} {x['passes_per_block']:>8.2f}  {pred:>21}  "
+              f"{x['measured_tps_ratio']:>6.2f} [{lo:.2f}..{hi:.2f}]  {x.get('verdict', '-')}{agree}")
+    notes = [x for x in rows if x.get("prediction_note") and x.get("verdict") != "baseline"]
+    if notes:
+        print("\nHow each ratio is predicted: TPS ratio = (n̄/n)·ρ/(r·β) (docs/counters.md); r = the row's pass over "
+              "the baseline's pass on the same rows, β = batch composition")
+        for x in notes:
+            ins = x.get("prediction_inputs", {})
+            parts = ", ".join(f"{k} {v['value']:.3f}" for k, v in ins.items()
+                              if isinstance(v.get("value"), (int, float)))
+            print(f"  {x['model']} {x['executor']} {x['schedule']}: {parts}. {x['prediction_note']}")
+    for x in rows:
+        if x["schedule"] in ("oba", "flowblock") and x.get("family") == "llada2_moe":
+            print(f"\nnote: on masked models ({x['model']}) OBA and FlowBlock keep Native's answers: masked diffusion "
+                  "cannot revise a revealed token, so the waiting block decodes nothing before promotion (the One "
+                  "Block Ahead paper's No Accept; docs/algorithms.md §3). α = 0, and the wider pass costs r > 1.")
+            break
+    print(f"\n({seconds:.0f} s; TPS = tokens per second of denoising thread-CPU time on this machine, median of "
+          f"{repeats} interleaved repeats; ratios over the reference dense Native row of the same model; band = "
+          "min..max of the per-repeat ratios)")

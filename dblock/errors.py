@@ -28,5 +28,10 @@ class TaskError(DblockError, ValueError):
     """A synthetic task name, split or problem that does not exist."""
 
 
+class PromptError(DblockError, ValueError):
+    """A text prompt that cannot be encoded as asked: empty, too long, a character outside the vocabulary, or text
+    that would produce a control token. The message names the prompt, the character and its position."""
+
+
 class DistributedError(DblockError, RuntimeError):
     """A torch.distributed run that failed or timed out; the message says which ranks and what they were doing."""

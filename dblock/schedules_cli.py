@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import os
 
-from dblock.cli_args import (add_decode_args, add_executor_args, add_model_args, decode_config, load_model,
-                             load_tokenizer, make_forward)
+from dblock.cli_args import (MAX_BATCH, MAX_PROBLEMS, add_decode_args, add_executor_args, add_model_args,
+                             add_special_tokens_arg, check_fits, check_out_dir, check_seed_span, decode_config,
+                             encode_texts, int_arg, load_model, load_tokenizer, make_forward, model_config,
+                             schedule_from_args, seeds_arg)
 
 
 def add_parser(sub) -> None:
@@ -14,30 +16,40 @@ def add_parser(sub) -> None:
     add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help="file: one prompt per line (text, or a JSON list of token ids)")
+    add_special_tokens_arg(p)
     src.add_argument("--task", help="graded task name (e.g. arith): its held-out prompts, graded")
-    p.add_argument("--n", type=int, default=20, help="with --task: number of held-out problems (default 20)")
-    p.add_argument("--seeds", default="0", help="seed offsets, comma-separated (paper: 0,10000,20000)")
+    p.add_argument("--n", type=int_arg(1, MAX_PROBLEMS), default=20,
+                   help="with --task: number of held-out problems (default 20)")
+    p.add_argument("--seeds", type=seeds_arg, default="0",
+                   help="seed offsets, comma-separated (paper: 0,10000,20000); case i under offset s gets seed s+i")
     p.add_argument("--schedules", default=None,
                    help="comma-separated subset (default: native,native2c,flowblock,dense_mask,oba and the five "
                         "ablations)")
-    p.add_argument("--batch-size", type=int, default=1,
-                   help="requests per forward (default 1: r is a batch-1 measurement, as in the paper)")
+    p.add_argument("--batch-size", type=int_arg(1, MAX_BATCH), default=1,
+                   help="requests per forward (default 1, as the paper measures r; in a larger batch r is the "
+                        "schedule's pass over Native's on the same rows, timed beside every call, and β the "
+                        "batch-composition factor: docs/counters.md)")
     p.add_argument("--trace-dir", default=None, help="write one JSON-lines trace per schedule here")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also write the break-even map and TPF/TPS bars relative to Native to this PNG "
+                        "(needs matplotlib and native among --schedules)")
     p.add_argument("--progress", action="store_true", help="show progress bars")
     add_decode_args(p)
     add_executor_args(p)
     p.set_defaults(_run=run)
 
 
-def _prompts(args, model):
-    tok = load_tokenizer(model)
+def _prompts(args, folder, cfg):
+    """(labelled prompts, grader or None) from --task or --prompts; nothing is loaded but tokenizer.json."""
+    tok = load_tokenizer(folder)
     if args.task:
-        from dblock.tasks import answer_text, get_task
+        from dblock.tasks import answer_text
+        from dblock.tasks.cli import task_from_name
         from dblock.tasks.evaluate import TokenizerAdapter
         if tok is None:
-            raise ValueError(f"--task needs a tokenizer.json in {model.source}")
-        task = get_task(args.task)
+            raise ValueError(f"--task needs a tokenizer.json in {folder}")
+        task = task_from_name(args.task)
         exs = task.examples("test", args.n)
         adapter = TokenizerAdapter(tok)
         prompts = [adapter.encode(e.prompt) for e in exs]
@@ -45,40 +57,66 @@ def _prompts(args, model):
 
         def grader(ids, out):
             return task.grade(by_ids[tuple(ids)], answer_text(out, adapter))
-        return prompts, grader
-    if not os.path.isfile(args.prompts):
-        raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
+        return [(f"--task {args.task} (test problem {i})", p) for i, p in enumerate(prompts)], grader
+    path = args.prompts
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"--prompts {path}: is a folder; give a file with one prompt per line")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--prompts {path}: no such file")
     prompts = []
-    with open(args.prompts) as f:
-        for i, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("["):
-                try:
-                    prompts.append([int(x) for x in json.loads(line)])
-                except (ValueError, TypeError):
-                    raise ValueError(f"{args.prompts}:{i}: not a JSON list of token ids") from None
-            else:
-                if tok is None:
-                    raise ValueError(f"{args.prompts}:{i}: a text prompt needs tokenizer.json in {model.source}")
-                prompts.append(tok.encode(line).ids)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts {path}: not UTF-8 text (byte {e.start})") from None
+    for i, line in enumerate(lines, 1):
+        label = f"--prompts {path} line {i}"
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("["):
+            try:
+                ids = json.loads(line)
+            except (ValueError, RecursionError):
+                ids = None
+            if not isinstance(ids, list) or not ids or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                               for x in ids):
+                raise ValueError(f"{label}: not a JSON list of token ids, e.g. [5, 6, 7]")
+            prompts.append((label, ids))
+        else:
+            if tok is None:
+                raise ValueError(f"{label}: a text prompt needs tokenizer.json in {folder}")
+            prompts.append((label, encode_texts(tok, [line], cfg, [label], args.allow_special_tokens)[0]))
     if not prompts:
-        raise ValueError(f"--prompts {args.prompts}: no prompts in the file")
+        raise ValueError(f"--prompts {path}: no prompts in the file")
     return prompts, None
 
 
 def run(args) -> int:
     from dblock.compare import DEFAULT_SCHEDULES, compare_schedules, format_table
 
-    model = load_model(args)
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--seeds {args.seeds!r}: give comma-separated integers") from None
+    from dblock.decoding.schedules import schedule_spec
+
+    if args.trace_dir is not None:
+        check_out_dir(args.trace_dir, "--trace-dir")
+    # refused from config.json and tokenizer.json before the weights are read
+    folder, cfg = model_config(args)
+    seeds = args.seeds if isinstance(args.seeds, list) else seeds_arg(args.seeds)
     names = [s.strip() for s in args.schedules.split(",")] if args.schedules else list(DEFAULT_SCHEDULES)
-    prompts, grader = _prompts(args, model)
-    dec = decode_config(args, model.config.family)
+    if args.plot and "native" not in names:
+        raise ValueError(f"--plot {args.plot}: the plot is relative to Native: add native to --schedules")
+    dec = decode_config(args, cfg.family, tokenizer=folder)
+    schedule_from_args(args)
+    labelled, grader = _prompts(args, folder, cfg)
+    for name in names:
+        try:
+            spec = schedule_spec(name, args.window, args.gate)
+        except ValueError as e:
+            raise ValueError(f"--schedules {args.schedules}: {e}") from None
+        check_fits(cfg, dec, spec, labelled)
+    for s in seeds:
+        check_seed_span(s, len(labelled), "--seeds")
+    prompts = [p for _, p in labelled]
+    model = load_model(args)
     fwd = make_forward(model, args)
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
@@ -88,4 +126,7 @@ def run(args) -> int:
         print(json.dumps(rows, indent=2, default=str))
     else:
         print(format_table(rows))
+    if args.plot:
+        from dblock.compare import plot
+        plot(rows, args.plot)
     return 0

@@ -7,6 +7,10 @@ A model folder holds `config.json` and either `model.safetensors` or shards list
 `model.safetensors.index.json`. Everything is validated before any tensor is used: unknown model_type, unsupported
 config value, missing or unexpected key, wrong shape, unreadable or truncated file, NaN/Inf in a weight -> one
 `WeightsError` naming the file and key. Keys real checkpoints carry that dblock never uses (`IGNORED`) are skipped.
+Every file a folder names must lie inside it (`confined_path`: no '..', absolute path or symlink out of it).
+
+`save` writes a folder all or nothing (`staged_folder`): into a hidden folder beside the destination, which then
+takes its place; a folder that already holds something is refused unless `overwrite=True` replaces it as a whole.
 
 Each family maps its HF names onto its model once (`Family.slots`, dblock/families.py): that map gives the keys a
 folder must hold, where each tensor goes on load and what `save` writes. Loading streams: every file is opened with
@@ -445,6 +449,14 @@ def check_out_dir(out_dir: str, overwrite: bool = False) -> bool:
         raise OutputExistsError(f"{out_dir}: output folder is not empty (holds {shown}); nothing was written. "
                                 "Give a new or empty folder, or overwrite=True (--overwrite) to replace the whole "
                                 "folder")
+    if entries:                      # overwrite: never a folder whose loss would be a disaster
+        real, cwd = os.path.realpath(out_dir), os.path.realpath(os.getcwd())
+        what = ("the filesystem root" if real == os.path.realpath(os.sep) else
+                "the home folder" if real == os.path.realpath(os.path.expanduser("~")) else
+                "the current folder or one above it" if _inside(cwd, [real]) else None)
+        if what:
+            raise OutputExistsError(f"{out_dir}: is {what}; overwrite=True would delete all of it, so nothing was "
+                                    "written. Give a dedicated output folder")
     return bool(entries)
 
 
@@ -493,7 +505,10 @@ def publish(tmp: str, out_dir: str, overwrite: bool) -> None:
     except BaseException:
         os.rename(old, out_dir)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if os.path.islink(old):          # out_dir was a symlink: the link is replaced, its target left alone
+        os.unlink(old)
+    else:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

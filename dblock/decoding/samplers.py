@@ -129,10 +129,15 @@ def pass_uniforms(block_seed: int, draw: int, size: int) -> torch.Tensor:
     return torch.rand(size, generator=g, dtype=torch.float64)
 
 
+def block_seed(seed: int, block: int) -> int:
+    """The generator seed of block `block` of a request seeded with `seed` (docs/algorithms.md §3): what `RequestRun`
+    seeds a per-(request, block) noise stream with."""
+    return (int(seed) * 1_000_003 + 7919 * (block + 1)) % (2 ** 63 - 1)
+
+
 def block_uniforms(seed: int, block: int, draw: int, size: int) -> torch.Tensor:
     """`pass_uniforms` of block `block` of a request seeded with `seed` (what `RequestRun` gives its blocks)."""
-    from dblock.decoding.schedules import _block_seed
-    return pass_uniforms(_block_seed(seed, block), draw, size)
+    return pass_uniforms(block_seed(seed, block), draw, size)
 
 
 def sample(z: torch.Tensor, sampling: Optional[SamplingParams], u: Optional[torch.Tensor] = None):

@@ -31,7 +31,7 @@ import torch
 from dblock.config import DecodeConfig
 from dblock.forward import Forward, Segment, StepInput, block_causal
 from dblock.decoding.params import SamplingParams
-from dblock.decoding.samplers import MaskedBlock, last_pass, masked_step
+from dblock.decoding.samplers import MaskedBlock, block_seed, last_pass, masked_step
 from dblock.decoding.stopping import Stopper, banned_ids
 from dblock.trace import NULL_TRACE, TraceWriter
 
@@ -166,6 +166,10 @@ class MaskedRule:
 
     def step(self, st: MaskedBlock, logits: torch.Tensor, gen, warmup: bool, accept: bool = True) -> None:
         d = self.dec
+        if warmup and not accept:
+            # a waiting block on a masked model decodes nothing (RequestRun.warmup_accept): it has no tokens, clock
+            # or draws to advance, so it is promoted exactly as a fresh block (docs/algorithms.md §3)
+            return
         if warmup:  # the warm-up clock holds at its last step: it never forces the commit-all pass
             st.passes = min(st.passes, self.last - 2)
         masked_step(st, logits, d.rule, d.threshold, d.max_steps, d.n_steps, accept=accept,
@@ -221,8 +225,7 @@ class InFlight:
     warmup_steps: int = 0
 
 
-def _block_seed(seed: int, block: int) -> int:
-    return (int(seed) * 1_000_003 + 7919 * (block + 1)) % (2 ** 63 - 1)
+_block_seed = block_seed   # docs/algorithms.md §3 (kept under its old name)
 
 
 class RequestRun:
@@ -238,6 +241,10 @@ class RequestRun:
         if uniform and dec.mask_policy != "exclude":
             raise ValueError(f"mask_policy={dec.mask_policy!r}: {cfg.family} is uniform-state and has no MASK id")
         self.rule = rule or make_rule(cfg, dec, self.sampling)
+        # masked diffusion cannot revise a revealed token, so a block waiting behind the current one (OBA's warm-up
+        # block and its ablations, FlowBlock's later blocks) commits nothing before promotion: the One Block Ahead
+        # paper's No Accept behaviour (docs/algorithms.md §3). Uniform-state blocks follow the schedule's own flag.
+        self.warmup_accept = spec.warmup_accept and self.rule.uniform
         self.C = (dec.block_size or cfg.block_size) * spec.width
         self.prompt = torch.as_tensor(list(req.prompt), dtype=torch.long)
         self.P = int(self.prompt.numel())
@@ -293,7 +300,7 @@ class RequestRun:
     def _gen_for(self, b: int):
         if self._gen_request is not None:
             return self._gen_request
-        return torch.Generator().manual_seed(_block_seed(self.req.seed, b))
+        return torch.Generator().manual_seed(block_seed(self.req.seed, b))
 
     def _new_block(self, b: int) -> InFlight:
         start = self._start(b)
@@ -391,7 +398,7 @@ class RequestRun:
         self.counters.F += 1
         for i, (f, lg) in enumerate(zip(self.inflight, per_block)):
             warm = i > 0
-            accept = self.spec.warmup_accept or not warm
+            accept = self.warmup_accept or not warm
             self.rule.step(f.state, lg, f.gen, warmup=warm, accept=accept)
             if warm:
                 f.warmup_steps += 1

@@ -6,7 +6,9 @@ carries none of it:
 
   _layer_output      `audit`: one record per (pass, block, MoE layer) — the block's path, fresh rows, rows served
                      from the decoded-output cache and their ages, newly decoded and decoded rows, the support and
-                     its build (success, |U_l|, when), the routed (row, expert) pairs outside the support; and, while
+                     its build (success, |U_l|, when), the routed (row, expert) pairs outside the support (none for a
+                     block that took the dense path: it routes its rows with every expert, the plain router's result
+                     exactly), the block's path this pass (`pass_path`: epoch | dense); and, while
                      `taps` is a dict (the shadow sets it per call), per MoE layer "routed" (the routed-expert output
                      of every row after the cache merge, before the shared expert, (B, L, H)) and "moe_in" (the
                      normed MoE input, (B, L, H))
@@ -62,11 +64,12 @@ class AuditedEpochExecutor(EpochExecutor):
             lp = plan.layer(li)
             sup = lp.support
             chosen = c.ids_FK[in_plan]
-            outside = 0 if sup is None else int((~sup[chosen.clamp(min=0)] & (chosen >= 0)).sum())
+            dense = c.dense or R.dense_P[p]              # the block took the dense path: routed with every expert
+            outside = 0 if sup is None or dense else int((~sup[chosen.clamp(min=0)] & (chosen >= 0)).sum())
             srv = served.get(p)
             self.audit.append({
                 "pass": self._pass, "request": plan.request, "block": plan.block, "plan_pass": plan.passes,
-                "layer": li, "path": plan.path, "N": plan.N,
+                "layer": li, "path": plan.path, "pass_path": "dense" if dense else "epoch", "N": plan.N,
                 "fresh": int(c.fresh_T[rows_T].sum()),
                 "served_rows": [] if srv is None else R.row[srv[0]].tolist(),
                 "served_ages": [] if srv is None else srv[1].tolist(),

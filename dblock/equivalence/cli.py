@@ -14,14 +14,14 @@ failed); 2 usage or loading errors. Details in `dblock.equivalence.report`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-from dblock.cli_args import (MAX_PROBLEMS, add_batch_size_arg, add_decode_args, add_executor_args, add_model_args,
-                             add_special_tokens_arg, check_fits, check_out_file, decode_config, encode_texts, float_arg,
-                             int_arg, load_model, load_tokenizer, model_config, schedule_from_args)
+from dblock.cli_args import (MAX_PROBLEMS, ValueRefused, add_batch_size_arg, add_decode_args, add_executor_args,
+                             add_model_args, add_special_tokens_arg, check_fits, check_out_file, decode_config,
+                             encode_texts, float_arg, int_arg, load_model, load_tokenizer, model_config,
+                             schedule_from_args)
 
 CHECKS = ("full-compute", "paired-block", "world-size")
 
@@ -30,9 +30,9 @@ def _world_sizes(s: str) -> list:
     try:
         out = [int(x) for x in s.replace(" ", "").split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r}: give comma-separated integers, e.g. 1,2,4") from None
-    if not out or any(w < 1 for w in out):
-        raise argparse.ArgumentTypeError(f"{s!r}: world sizes must be >= 1")
+        raise ValueRefused(s, "give comma-separated integers, e.g. 1,2,4") from None
+    if not out or any(not 1 <= w <= 64 for w in out):
+        raise ValueRefused(s, "world sizes must lie in [1, 64]")
     return out
 
 
@@ -151,24 +151,20 @@ def _verify(args) -> int:
 
     if (args.task is None) == (args.prompts is None):
         raise ValueError("give exactly one of --task T (with --n N) or --prompts FILE")
-    if args.out:
+    if args.out is not None:
         check_out_file(args.out, "--out")
     if args.staleness_curve:
         check_out_file(args.plot, "--plot")
     # refused from config.json and tokenizer.json before the weights are read
     folder, cfg = model_config(args)
-    dec = decode_config(args, cfg.family)
+    dec = decode_config(args, cfg.family, tokenizer=folder)
     spec = schedule_from_args(args)
     task = examples = tok = None
     hf = load_tokenizer(folder)
     if args.task is not None:
-        from dblock.errors import TaskError
-        from dblock.tasks import get_task
+        from dblock.tasks.cli import task_from_name
         from dblock.tasks.evaluate import TokenizerAdapter
-        try:
-            task = get_task(args.task)
-        except ValueError as e:
-            raise TaskError(f"--task {args.task[:60]}: {e}") from None
+        task = task_from_name(args.task)
         if hf is None:
             raise FileNotFoundError(f"{folder}/tokenizer.json: the model folder has no tokenizer.json (needed to "
                                     "encode task prompts)")

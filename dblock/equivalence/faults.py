@@ -5,7 +5,7 @@ Each fault is a mixin that overrides one or more named steps of `dblock.optimize
 The production executor knows nothing of them. Every fault must be caught by the invariant named in
 `report.FAULTS`:
 
-  stale-cache            `_plan_pass`: the refresh clock never fires, so entries age past M_C;
+  stale-cache            `_plan_passes`: the refresh clock never fires, so entries age past M_C;
                          `_cache_checks`: served without checking                              -> staleness
   cache-newly-decoded    `_fresh_rows`: newly decoded rows on hot passes are served from the entry written while they
                          were still live; `_rows_to_write`: live rows are cached too;
@@ -20,14 +20,15 @@ from dataclasses import replace
 from typing import Sequence
 
 from dblock.equivalence.report import FAULTS
-from dblock.optimized.liveness import EMPTY
+from dblock.optimized.liveness import EMPTY, plan_passes
 
 
 class StaleCache:
     """The refresh clock never fires and reads are not checked: cache entries age past M_C."""
 
-    def _plan_pass(self, plan, decoded_N):
-        return plan.liveness.plan_pass(decoded_N, plan.passes, 1 << 30, self.ecfg.lsp)
+    def _plan_passes(self, plans, decoded_T, lens):
+        return plan_passes([pl.liveness for pl in plans], decoded_T, lens, [pl.passes for pl in plans], 1 << 30,
+                           self.ecfg.lsp)
 
     def _cache_checks(self, li, R, idx_C, slot_C, age_C):
         return {}

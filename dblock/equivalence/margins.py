@@ -4,7 +4,8 @@ can change?
 Everything is computed on the *masked* logits the step rules use: the MASK id is excluded from the argmax and from
 the softmax (`dblock.decoding.samplers.predict`), so ‖ẑ − z‖∞ is taken over real tokens only. Margins are fp64.
 
-Threshold rule (docs/algorithms.md §2.1), per live row i with p = softmax(z_i) over real tokens, x̂ = argmax, p₁ = p[x̂]:
+Threshold rule (docs/algorithms.md §2.1: commit at p₁ > τ, or p₁ >= τ with `DecodeConfig.threshold_inclusive`), per
+live row i with p = softmax(z_i) over real tokens, x̂ = argmax, p₁ = p[x̂]:
 
   top gap        a   = (z₁ − z₂) / 2              an ∞-norm perturbation ε moves z₁ − z₂ by at most 2ε
   slack          s   = |log p₁ − log τ| / 2        log p₁ = z₁ − logsumexp(z) moves by at most 2ε
@@ -51,7 +52,7 @@ NEG = float("-inf")
 
 
 def tau32(tau: float) -> float:
-    """The threshold as the rules compare it: `conf >= tau` with conf fp32 rounds tau to fp32."""
+    """The threshold as the rules compare it: `conf > tau` (or `>=`) with conf fp32 rounds tau to fp32."""
     return float(torch.tensor(tau, dtype=torch.float32))
 
 
@@ -106,8 +107,10 @@ def _conf(z: torch.Tensor):
 
 
 def threshold_margin(logits: torch.Tensor, mask_id: Optional[int], tau: float = 0.95,
-                     commit_all: bool = False) -> Margin:
-    """Margins of one block's live rows under the threshold rule (see the module docstring).
+                     commit_all: bool = False, inclusive: bool = False) -> Margin:
+    """Margins of one block's live rows under the threshold rule (see the module docstring). A row clears τ when
+    conf > τ, or conf >= τ with `inclusive` (`DecodeConfig.threshold_inclusive`, docs/algorithms.md §2.1); the two
+    differ only at conf = τ exactly, where the margin is 0 either way.
 
     Γ* per row, with C the rows that clear τ and n the live rows (each case is sufficient row by row, and its
     minimum over the block is the exact radius):
@@ -126,10 +129,11 @@ def threshold_margin(logits: torch.Tensor, mask_id: Optional[int], tau: float = 
         inf = torch.full((n,), math.inf, dtype=torch.float64)
         return Margin(a.clone(), a.clone(), a, inf, inf.clone(), torch.ones(n, dtype=torch.bool), tok)
     t = tau32(tau)
-    lt, ltg = math.log(t), math.log(t) - math.log1p(-t)
+    lt = math.log(t)
+    ltg = lt - math.log1p(-t) if t < 1.0 else math.inf   # log-odds of τ; τ = 1: no finite logit reaches it
     s = (logp - lt).abs() / 2
     s_exact = (logit - ltg).abs() / 2
-    commit = logp >= lt                                      # conf >= tau (in exact arithmetic)
+    commit = logp >= lt if inclusive else logp > lt          # conf >= / > tau (in exact arithmetic)
     fallback = bool(n) and not bool(commit.any())
     gamma = torch.minimum(a, s)
     cross = cross_exact = math.inf
@@ -183,15 +187,18 @@ def fixed_k_margin(logits: torch.Tensor, mask_id: Optional[int], k: int) -> Marg
 # exact-arithmetic replicas of the rules (for the property tests of the margin theorem) and decision comparison
 # ---------------------------------------------------------------------------------------------------------------
 
-def threshold_decision64(logits: torch.Tensor, mask_id: Optional[int], tau: float = 0.95, commit_all: bool = False):
-    """docs/algorithms.md §2.1 in fp64 (same tie-breaks as `samplers.threshold_rule`): -> (tokens, commit)."""
+def threshold_decision64(logits: torch.Tensor, mask_id: Optional[int], tau: float = 0.95, commit_all: bool = False,
+                         inclusive: bool = False):
+    """docs/algorithms.md §2.1 in fp64 (same tie-breaks as `samplers.threshold_rule`): -> (tokens, commit). Commits
+    at conf > τ, or conf >= τ with `inclusive`."""
     z = masked64(logits, mask_id)
     n = z.shape[0]
     logp = z.max(dim=-1).values - torch.logsumexp(z, dim=-1)
     tok = torch.argmax(z, dim=-1)
     if commit_all:
         return tok, torch.ones(n, dtype=torch.bool)
-    commit = logp >= math.log(tau32(tau))
+    lt = math.log(tau32(tau))
+    commit = logp >= lt if inclusive else logp > lt
     if n and not commit.any():
         commit = torch.zeros(n, dtype=torch.bool)
         commit[int(torch.argmax(logp))] = True

@@ -284,7 +284,8 @@ class ShadowForward(Forward):
                 kind = dec.rule
                 if dec.rule == "threshold":
                     m = threshold_margin(z_ref, self.mask_id, dec.threshold,
-                                         commit_all=after_ref.passes >= dec.max_steps)
+                                         commit_all=after_ref.passes >= dec.max_steps,
+                                         inclusive=dec.threshold_inclusive)
                 else:
                     k = int((after_ref.tokens[brow] != self.mask_id).sum()) if ctx.accept else 0
                     m = fixed_k_margin(z_ref, self.mask_id, k)

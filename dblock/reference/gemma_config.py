@@ -1,7 +1,9 @@
 """DiffusionGemma's config (`diffusion_gemma`): HF `config.json` <-> `GemmaConfig`. Config only: no torch, no model.
 
 Read through `dblock.config.load_config` like the LLaDA configs. The model itself is `dblock.reference.gemma`
-(docs/models.md).
+(docs/models.md). Validated by the layer all families share (dblock/validate.py): the keys of `GEMMA_TEXT_KEYS`,
+`GEMMA_TOP_KEYS`, `ROPE_KEYS` and the fields of `GEMMA_FIELDS` typed, finite and in range, the model's size bounded
+before the default `layer_types` list (one entry per layer) is built.
 """
 from __future__ import annotations
 

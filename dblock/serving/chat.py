@@ -18,6 +18,15 @@ conversation: 400 naming `messages`) and `strftime_now(format)`. Variables: `mes
 (None), and the request's `chat_template_kwargs`. The rendered text is tokenized without adding special tokens
 (the template writes them), as vLLM does for chat.
 
+Special tokens in messages: the template's own control tokens (the `<eos>` it writes after an assistant turn, a
+BOS, role markers) are real control tokens, since the rendered text is tokenized with special tokens recognised.
+Message text is the client's, though, and must not smuggle control tokens in: unless the request opts in with
+`"allow_special_tokens": true`, the server (`server.py`) refuses, with a 400 naming the field
+(`messages[0].content`) and the spelling, any message string or `chat_template_kwargs` string that holds the spelling
+of one of the tokenizer's special tokens (`find_special_text`). vLLM renders and tokenizes the same way, without
+this check; refusing such text (rather than re-encoding it as plain characters) keeps the rendered prompt exactly
+what the template produced, whatever the tokenizer.
+
 The bundled tiny models (`dblock/checkpoints/*/chat_template.jinja`) were trained on bare prompts such as
 `123+45=`: their template renders a single user message as exactly its content, so chat and completions agree.
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 from datetime import datetime
 from typing import Any, Optional
 
@@ -149,6 +159,31 @@ class ChatTemplate:
                                         "the rendered prompt")
             text = text[: at + len(final.strip())]
         return text
+
+
+def special_text_pattern(spellings) -> Optional["re.Pattern"]:
+    """One regex matching any of the special-token spellings (longest first), or None when there are none."""
+    texts = sorted({t for t in spellings if isinstance(t, str) and t}, key=len, reverse=True)
+    return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+
+
+def find_special_text(value: Any, pattern, path: str) -> Optional[tuple]:
+    """The first special-token spelling in the strings of `value` (a message dict, its lists and dicts, depth-first
+    in order) as (path of the string, e.g. `messages[0].content`, position in it, the spelling), or None."""
+    if isinstance(value, str):
+        m = pattern.search(value)
+        return (path, m.start(), m.group()) if m else None
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for p, v in items:
+        hit = find_special_text(v, pattern, p)
+        if hit is not None:
+            return hit
+    return None
 
 
 def load_chat_template(model_dir: Optional[str], override: Optional[str] = None) -> Optional[ChatTemplate]:

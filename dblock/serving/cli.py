@@ -8,8 +8,9 @@ import json
 import os
 import sys
 
-from dblock.cli_args import (add_decode_args, add_executor_args, add_model_args, decode_config, load_model,
-                             load_tokenizer, make_forward)
+from dblock.cli_args import (add_decode_args, add_executor_args, add_model_args, check_fits, check_out_file,
+                             check_stops, decode_config, float_arg, int_arg, load_model, load_tokenizer, make_forward,
+                             model_config, port_arg, positions_needed, schedule_from_args, seed_arg)
 
 API_KEY_ENV = "DBLOCK_API_KEY"
 
@@ -36,7 +37,8 @@ def add_parser(subparsers) -> None:
     add_executor_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    g.add_argument("--port", type=port_arg, default=8000,
+                   help="TCP port in [1, 65535] (default 8000; 0 = any free port, printed at startup)")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV}"
                         " if set; prefer the variable: a command line is visible to other users)")
@@ -46,17 +48,24 @@ def add_parser(subparsers) -> None:
     g.add_argument("--chat-template", default=None, metavar="PATH_OR_STRING",
                    help="Jinja chat template for /v1/chat/completions: a file or the template text (default: the "
                         "model folder's chat_template.jinja, else tokenizer_config.json's chat_template)")
-    g.add_argument("--max-batch", type=int, default=16, help="most requests in one pass (batch cap; default 16)")
-    g.add_argument("--max-queue", type=int, default=256,
+    g.add_argument("--max-batch", type=int_arg(1, 1 << 16), default=16,
+                   help="most requests in one pass (batch cap; default 16)")
+    g.add_argument("--max-queue", type=int_arg(1, 1 << 24), default=256,
                    help="most requests waiting for admission; beyond it 429 (default 256)")
-    g.add_argument("--kv-budget-tokens", type=int, default=65536,
+    g.add_argument("--kv-budget-tokens", type=int_arg(1, 1 << 40), default=65536,
                    help="KV positions reserved by running requests at most (prompt + max_tokens on the block grid "
                         "per request); a request needing more than all of it gets 400 (default 65536)")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit, 413 above (default 1 MiB)")
-    g.add_argument("--max-prompt-tokens", type=int, default=4096, help="prompt length limit, 400 above (default 4096)")
-    g.add_argument("--max-tokens-limit", type=int, default=1024, help="max_tokens limit, 400 above (default 1024)")
-    g.add_argument("--drain-timeout", type=float, default=300.0,
+    g.add_argument("--max-body-bytes", type=int_arg(1, 1 << 34), default=1 << 20,
+                   help="request body limit, 413 above (default 1 MiB)")
+    g.add_argument("--max-prompt-tokens", type=int_arg(1, 1 << 24), default=4096,
+                   help="prompt length limit, 400 above (default 4096)")
+    g.add_argument("--max-tokens-limit", type=int_arg(1, 1 << 24), default=1024,
+                   help="max_tokens limit, 400 above (default 1024)")
+    g.add_argument("--drain-timeout", type=float_arg(0.0, 1e6), default=300.0,
                    help="on SIGINT/SIGTERM wait at most this long for in-flight requests (default 300 s)")
+    g.add_argument("--request-timeout", type=float_arg(0.0, 1e6, lo_open=True), default=30.0, metavar="SECONDS",
+                   help="a client must send a request's headers within this long (else the connection is closed), "
+                        "then its body within this long again (else 408) (default 30 s)")
     g.add_argument("--trace", default=None, help="write a JSON-lines engine trace (passes, blocks, requests)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -66,20 +75,24 @@ def add_parser(subparsers) -> None:
     lg.set_defaults(_run=_loadgen)
     lg.add_argument("--url", action="append", default=None, metavar="[LABEL=]URL",
                     help="server base URL, e.g. http://127.0.0.1:8000 (repeat for several servers side by side)")
-    lg.add_argument("--rate", type=float, default=None, help="Poisson arrival rate (req/s)")
+    lg.add_argument("--rate", type=float_arg(0.0, 1e6, lo_open=True), default=None,
+                    help="Poisson arrival rate (req/s)")
     lg.add_argument("--rates", default=None, help="comma-separated rates for a sweep, e.g. 2,4,8")
-    lg.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate (default 10)")
+    lg.add_argument("--duration", type=float_arg(0.0, 1e6, lo_open=True), default=10.0,
+                    help="seconds of arrivals per rate (default 10)")
     lg.add_argument("--replay", default=None, metavar="FILE",
                     help="replay arrival times from a file (times per line, JSON list, loadgen JSON, engine trace)")
     lg.add_argument("--prompts", default="task:arith-small",
                     help="task:NAME (test split), file:PATH, or ids:1,2,3;4,5 (default task:arith-small)")
     lg.add_argument("--token-ids", action="store_true",
                     help="send task/file prompts as character-tokenizer ids (servers without tokenizer.json)")
-    lg.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")
-    lg.add_argument("--seed", type=int, default=0, help="arrival and prompt seed; request i gets seed+i (default 0)")
+    lg.add_argument("--max-tokens", type=int_arg(1, 1 << 24), default=64, help="max_tokens per request (default 64)")
+    lg.add_argument("--seed", type=seed_arg, default=0,
+                    help="arrival and prompt seed; request i gets seed+i (default 0)")
     lg.add_argument("--model", default=None, help="'model' field to send (default: none)")
     lg.add_argument("--api-key", default=None, help=f"bearer key (default ${API_KEY_ENV})")
-    lg.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds (default 120)")
+    lg.add_argument("--timeout", type=float_arg(0.0, 1e6, lo_open=True), default=120.0,
+                    help="per-request timeout in seconds (default 120)")
     lg.add_argument("--json", action="store_true", help="print the results as JSON")
     lg.add_argument("--out", default=None, help="also write the JSON results to this file")
     lg.add_argument("--plot", default=None, metavar="PNG", help="draw P95 ITL and throughput vs rate per server")
@@ -114,9 +127,24 @@ def build_server(args):
                          f"--max-tokens-limit {limits.max_tokens_limit}")
     cfg = EngineConfig(batch_cap=args.max_batch, kv_budget_tokens=args.kv_budget_tokens,
                        max_queue=args.max_queue).validate()
+    if args.trace is not None:
+        check_out_file(args.trace, "--trace")
+    # refused from config.json before the weights are read: a KV budget that cannot hold the smallest request
+    # (1 prompt token + 1 generated token on the block grid) would start a server that never serves
+    folder, mcfg = model_config(args)
+    dec0 = decode_config(args, mcfg.family, tokenizer=folder)
+    check_stops(mcfg, dec0)
+    spec0 = schedule_from_args(args)
+    check_fits(mcfg, dec0, spec0, [("serve: a 1-token prompt at the default max_tokens", [0])])  # block, budget
+    block = (dec0.block_size or mcfg.block_size) * spec0.width
+    smallest = positions_needed(1, 1, block, mcfg.family)
+    if cfg.kv_budget_tokens < smallest:
+        raise ValueError(f"--kv-budget-tokens {cfg.kv_budget_tokens}: cannot hold even the smallest request (1 prompt "
+                         f"token + 1 generated token need {smallest} positions with {block}-position blocks); give "
+                         f"at least {smallest}")
     model = load_model(args)
     tok = load_tokenizer(model)
-    dec = decode_config(args, model.config.family)
+    dec = decode_config(args, model.config.family, tokenizer=tok)
     spec = schedule_spec(args.schedule, args.window, args.gate)
     fwd = make_forward(model, args)
     trace = TraceWriter(args.trace) if args.trace else NULL_TRACE
@@ -130,7 +158,8 @@ def build_server(args):
     name = args.served_model_name or args.model
     template = load_chat_template(getattr(model, "source", None), getattr(args, "chat_template", None))
     app = create_app(engine, tokenizer=tok, model_name=name, limits=limits, api_key=api_key,
-                     drain_timeout=args.drain_timeout, chat_template=template)
+                     drain_timeout=args.drain_timeout, chat_template=template,
+                     request_timeout=args.request_timeout)
     return app, engine, trace, api_key
 
 
@@ -165,6 +194,9 @@ def _serve(args) -> int:
 def _loadgen(args) -> int:
     from dblock.serving import loadgen as lg
 
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path:
+            check_out_file(path, flag)         # before any load is sent
     if args.from_:
         servers = []
         for path in args.from_:

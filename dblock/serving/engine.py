@@ -47,14 +47,17 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from dblock.config import DecodeConfig
+from dblock.errors import ConfigError
 from dblock.forward import Forward
+from dblock.decoding.params import SamplingParams
 from dblock.decoding.schedules import Request, RequestRun, RunTimes, ScheduleSpec, schedule_spec, step_once
 from dblock.trace import NULL_TRACE, TraceWriter
 
 log = logging.getLogger("dblock.serving")
 
 # listener(kind, request, data): kind is "block" (a block committed: data has tokens, ids, itl_s...), "done"
-# (finished: data has finish_reason, counters) or "error" (data has status, message). Called from the engine thread.
+# (finished: data has finish_reason, stop_reason, counters) or "error" (data has status, message). Called from the
+# engine thread.
 Listener = Callable[[str, "EngineRequest", dict], None]
 
 
@@ -99,6 +102,7 @@ class EngineRequest:
     footprint: int
     listener: Optional[Listener] = None
     tag: Any = None                          # caller's label (e.g. the HTTP completion id)
+    sampling: Optional[SamplingParams] = None  # own sampler and stops (None: the engine's DecodeConfig defaults)
     status: str = "queued"                   # queued | running | finished | cancelled | failed
     t_arrival: float = 0.0
     t_admit: Optional[float] = None
@@ -204,19 +208,28 @@ class Engine:
         return fp
 
     def submit(self, prompt: Sequence[int], max_new_tokens: Optional[int] = None, seed: Optional[int] = None,
-               listener: Optional[Listener] = None, tag: Any = None) -> EngineRequest:
-        """Queue one request; raises `Rejected` (400 never fits, 429 queue full, 503 draining)."""
-        return self.submit_many([prompt], max_new_tokens, seed, listener, tag)[0]
+               listener: Optional[Listener] = None, tag: Any = None,
+               sampling: Optional[SamplingParams] = None) -> EngineRequest:
+        """Queue one request; raises `Rejected` (400 never fits or invalid, 429 queue full, 503 draining).
+        `sampling`: the request's own sampler and stop conditions (None: the engine's `DecodeConfig` defaults)."""
+        return self.submit_many([prompt], max_new_tokens, seed, listener, tag, sampling=sampling)[0]
 
     def submit_many(self, prompts: Sequence[Sequence[int]], max_new_tokens: Optional[int] = None,
-                    seed: Optional[int] = None, listener: Optional[Listener] = None, tag: Any = None
+                    seed: Optional[int] = None, listener: Optional[Listener] = None, tag: Any = None,
+                    sampling: Optional[SamplingParams] = None, seeds: Optional[Sequence[int]] = None
                     ) -> list[EngineRequest]:
-        """Queue several requests atomically: all are queued, or none (and `Rejected` says why)."""
+        """Queue several requests atomically: all are queued, or none (and `Rejected` says why). They share
+        `sampling` (checked against the model: `check_sampling`); `seeds` gives each its own seed (else all get
+        `seed`, default the engine's)."""
         m = self.dec.max_new_tokens if max_new_tokens is None else max_new_tokens
         s = self.dec.seed if seed is None else seed
         prompts = [list(p) for p in prompts]
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
         try:
             fps = [self.check(p, m, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)]
+            if sampling is not None:
+                self.check_sampling(sampling, m)
         except Rejected as e:
             self.stats.rejected[e.status] = self.stats.rejected.get(e.status, 0) + 1
             raise
@@ -231,12 +244,43 @@ class Engine:
                                f"{self.config.max_queue}, batch cap {self.config.batch_cap}); retry later", None,
                                "rate_limit_exceeded")
             reqs = []
-            for p, fp in zip(prompts, fps):
-                r = EngineRequest(next(self._ids), p, m, int(s), fp, listener, tag, t_arrival=now)
+            for i, (p, fp) in enumerate(zip(prompts, fps)):
+                r = EngineRequest(next(self._ids), p, m, int(s if seeds is None else seeds[i]), fp, listener, tag,
+                                  sampling=sampling, t_arrival=now)
                 self._queue.append(r)
                 reqs.append(r)
             self._wake.notify_all()
         return reqs
+
+    def check_sampling(self, sampling: SamplingParams, max_new_tokens: int) -> None:
+        """A request's `SamplingParams` against the model and its budget (`SamplingParams.check_request`), or
+        `Rejected` 400 naming the request field: temperature / top_p / top_k other than greedy on DiffusionGemma
+        (it samples with its own entropy-bound schedule), stop ids outside the vocabulary, min_tokens > max_tokens."""
+        uniform = self.family == "diffusion_gemma"
+        if uniform:
+            for name, neutral in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0)):
+                v = getattr(sampling, name)
+                if v != neutral:
+                    raise Rejected(400, f"{name}: {v!r} is the masked models' sampler; {self.family} samples with "
+                                   "its entropy-bound rule and the server's temperature schedule (dblock serve "
+                                   f"--temperature t_max,t_min): allowed {neutral!r}" +
+                                   (" (or absent)" if name != "top_k" else " or -1 (or absent)"), name,
+                                   "unsupported_value")
+        V = self.cfg.vocab_size
+        for name, ids in [("stop_token_ids", sampling.stop_token_ids)] + [("stop", q) for q in sampling.stop]:
+            bad = next((t for t in ids if t >= V), None)
+            if bad is not None:
+                raise Rejected(400, f"{name}: token id {bad} outside the vocabulary 0..{V - 1}", name,
+                               "invalid_value")
+        try:
+            sampling.check_request(V, max_new_tokens, uniform=uniform, family=self.family)
+        except ConfigError as e:
+            msg = str(e)
+            name = next((f for f in ("min_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop")
+                         if msg.startswith(f)), None)
+            if name == "min_tokens":
+                msg = f"{sampling.min_tokens} exceeds max_tokens ({max_new_tokens})"
+            raise Rejected(400, f"{name}: {msg}" if name else msg, name, "invalid_value") from None
 
     def cancel(self, req: EngineRequest) -> None:
         """Drop a request (its client went away): removed at the next pass boundary, its slot freed."""
@@ -281,7 +325,8 @@ class Engine:
         for r in admitted:
             r.t_admit = now
             try:
-                r.run = RequestRun(Request(r.prompt, r.max_new_tokens, r.seed, r.id), self.fwd, self.spec, self.dec)
+                r.run = RequestRun(Request(r.prompt, r.max_new_tokens, r.seed, r.id, sampling=r.sampling), self.fwd,
+                                   self.spec, self.dec)
                 r.status = "running"
             except Exception as e:                       # validated at submit; anything left is a clean failure
                 self._fail([r], 400, f"{type(e).__name__}: {e}")
@@ -372,7 +417,7 @@ class Engine:
         r.run.cache = None                                 # the KV cache is freed now, not when the client leaves
         r.status = "finished"
         r.t_finish = t
-        r.finish_reason = "stop" if r.run.eos_hit else "length"
+        r.finish_reason = r.run.finish_reason
         c = r.run.counters
         self.stats.finished += 1
         self.stats.Y += c.Y
@@ -382,7 +427,8 @@ class Engine:
                              max_new_tokens=r.max_new_tokens, seed=r.seed, arrival_s=r.t_arrival - self.t0,
                              admit_s=r.t_admit - self.t0, first_pass_s=r.t_first_pass - self.t0,
                              finish_s=t - self.t0, ttft_s=r.ttft_s, wall_s=t - r.t_arrival)
-        self._notify(r, "done", dict(finish_reason=r.finish_reason, ids=r.run.output_tokens(), counters=c.as_dict(),
+        self._notify(r, "done", dict(finish_reason=r.finish_reason, stop_reason=r.run.stop_reason,
+                                     ids=r.run.output_tokens(), counters=c.as_dict(),
                                      ttft_s=r.ttft_s, e2e_s=t - r.t_arrival, queue_s=r.t_admit - r.t_arrival))
         r.done_event.set()
 
@@ -515,8 +561,10 @@ class Engine:
 
 
 def offline_tokens(forward: Forward, prompt: Sequence[int], max_new_tokens: int, seed: int,
-                   spec: ScheduleSpec | str, dec: DecodeConfig) -> list:
-    """What offline `generate` gives for one request alone (the engine's reference answer)."""
+                   spec: ScheduleSpec | str, dec: DecodeConfig, sampling: Optional[SamplingParams] = None) -> list:
+    """What offline `generate` gives for one request alone (the engine's reference answer); `sampling` as in
+    `Engine.submit`."""
     from dblock.decoding.generate import generate
-    res = generate(forward, [list(prompt)], dec.replace(max_new_tokens=max_new_tokens), spec, seeds=[seed])
+    req = Request(list(prompt), max_new_tokens, int(seed), id=0, sampling=sampling)
+    res = generate(forward, [req], dec.replace(max_new_tokens=max_new_tokens, n=1), spec)
     return res.tokens[0]

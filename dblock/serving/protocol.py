@@ -13,24 +13,45 @@ servers do. A failed validation is a 400 whose message starts with the offending
   stream_options {"include_usage": bool}
   model         optional; when given it must name the served model (else 404)
   add_special_tokens  bool (default true), as vLLM
-  n, best_of    only 1;  echo only false;  logprobs only null/0;  suffix only null;  stop only null or []
+  allow_special_tokens  bool (default false; a dblock extension): see "Special tokens" below
+  n             integer >= 1 (default 1), at most `max_prompts`: n choices per prompt, sample j with seed + j
+                (choice index prompt * n + j)
+  best_of       only 1;  echo only false;  logprobs only null/0;  suffix only null
 `/v1/chat/completions` (`ChatCompletionRequest`)
   messages      non-empty list of {"role", "content": string | [{"type": "text", "text"}] | null, ...}; rendered
                 by the chat template (`chat.py`) with the generation prompt
   max_completion_tokens | max_tokens, seed, stream, stream_options, model, n, stop: as above
   add_generation_prompt (default true), continue_final_message (default false), chat_template_kwargs (object),
-  add_special_tokens (default false); logprobs only false, top_logprobs only null/0, tools only null/[],
-  tool_choice only null/"none"/"auto", response_format only null/{"type": "text"}; a per-request chat_template is
-  refused (start the server with --chat-template)
-Sampling fields of both are validated here but not applied yet (the engine decodes with the server's step rule,
-e.g. the greedy threshold rule of docs/algorithms.md §2.1):
-  temperature (number >= 0), top_p (number in (0, 1]), top_k (integer: -1 or 0 = off, or >= 1),
-  presence_penalty / frequency_penalty (numbers in [-2, 2]): accepted and ignored; user (string): ignored;
-  min_tokens (integer >= 0) and ignore_eos (bool): only their defaults, 0 and false, are accepted (a request ends
-  at EOS or max_tokens).
+  add_special_tokens (default false), allow_special_tokens (default false); logprobs only false, top_logprobs
+  only null/0, tools only null/[], tool_choice only null/"none"/"auto", response_format only null/{"type":
+  "text"}; a per-request chat_template is refused (start the server with --chat-template)
+Sampling and stop fields of both (numbers must be finite: NaN and Infinity are refused), applied per request as a
+`dblock.decoding.params.SamplingParams` (docs/algorithms.md §2.4, §2.6; the mapping is in `server.py`); an absent
+field takes the server's default (`dblock serve` decoding flags: greedy, no stops, unless set there):
+  temperature   0 (greedy argmax, dblock's default; OpenAI's default of 1 is not assumed) or a number in
+                [1e-4, 1e4]: masked models sample from softmax(z / T) after top_k and top_p
+  top_p         number in (0, 1];  top_k  integer: -1 or 0 = off, or >= 1
+                (DiffusionGemma samples with its own entropy-bound schedule: temperature/top_p/top_k other than
+                0/1/off get 400 naming the field)
+  stop          string or list of at most `MAX_STOPS` non-empty strings: the returned text ends before the first
+                one (excluded, as OpenAI); also tokenized, so decoding stops there
+  stop_token_ids  list of token ids that end generation like EOS (vLLM's)
+  min_tokens    integer >= 0 (at most max_tokens): no stop before that many tokens;  ignore_eos  bool
+  presence_penalty / frequency_penalty (numbers in [-2, 2]): accepted and ignored; user (string): ignored.
 `/tokenize` (`TokenizeRequest`): {"prompt": string, "add_special_tokens": bool (default true)} or {"messages",
   "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens" (default false)};
-  `return_token_strs`. `/detokenize` (`DetokenizeRequest`): {"tokens": [int, ...]}.
+  `return_token_strs`, `allow_special_tokens`. `/detokenize` (`DetokenizeRequest`): {"tokens": [int, ...]}.
+
+Special tokens: text never becomes a control token (EOS, mask, pad, BOS, ... : the tokenizer's special added tokens
+and the model config's control ids) from its literal spelling unless the request says `"allow_special_tokens":
+true`. A text prompt is encoded by `dblock.tasks.tokenizer.encode_prompt`, which encodes `<eos>` in the text as the
+ordinary characters (the `tokenizers` library's `encode_special_tokens`, Hugging Face's `split_special_tokens`), so a
+prompt cannot end its own completion; a character the vocabulary lacks is a 400 naming the parameter, the character
+and its position. Token-id prompts are taken as given. Chat messages: see `server.py` (the template's own control
+tokens stay real; message text holding a special token's spelling is refused).
+
+Bodies are JSON of at most `MAX_JSON_DEPTH` levels of nested arrays and objects (`check_json_depth`, a scan of the
+raw bytes before parsing: 400 "request body nests deeper than ..." instead of a parser recursion).
 
 Errors are OpenAI-shaped (`ErrorResponse`): {"error": {"message", "type", "param", "code"}} with status 400
 (invalid), 401 (authentication), 404 (unknown model or path), 405 (wrong method), 413 (body too large), 422
@@ -39,6 +60,7 @@ Errors are OpenAI-shaped (`ErrorResponse`): {"error": {"message", "type", "param
 from __future__ import annotations
 
 import json
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
@@ -48,10 +70,13 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from pydantic_core import PydanticCustomError
 
 MAX_SEED = 2 ** 63 - 1
+#: most stop strings / stop token ids in one request, and the longest stop string (characters)
+MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-               429: "rate_limit_error", 499: "invalid_request_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
+               503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -177,45 +202,68 @@ class _Sampling(_Body):
     stream_options: Optional[StreamOptions] = _f(None, "must be an object")
     n: Optional[int] = _f(None, "must be an integer >= 1", ge=1)
     stop: Any = _f(None, "must be a string or a list of strings")
-    temperature: Optional[float] = _f(None, "must be a number >= 0", ge=0)
-    top_p: Optional[float] = _f(None, "must be a number in (0, 1]", gt=0, le=1)
+    stop_token_ids: Optional[list[int]] = _f(None, "must be a list of token ids (integers >= 0)")
+    temperature: Optional[float] = _f(None, "must be a finite number >= 0", ge=0, allow_inf_nan=False)
+    top_p: Optional[float] = _f(None, "must be a finite number in (0, 1]", gt=0, le=1, allow_inf_nan=False)
     top_k: Optional[int] = _f(None, "must be an integer: -1 or 0 (no top-k) or >= 1", ge=-1)
     min_tokens: Optional[int] = _f(None, "must be an integer >= 0", ge=0)
     ignore_eos: Optional[bool] = _f(None, "must be true or false")
-    presence_penalty: Optional[float] = _f(None, "must be a number in [-2, 2]", ge=-2, le=2)
-    frequency_penalty: Optional[float] = _f(None, "must be a number in [-2, 2]", ge=-2, le=2)
+    presence_penalty: Optional[float] = _f(None, "must be a finite number in [-2, 2]", ge=-2, le=2,
+                                           allow_inf_nan=False)
+    frequency_penalty: Optional[float] = _f(None, "must be a finite number in [-2, 2]", ge=-2, le=2,
+                                            allow_inf_nan=False)
     user: Optional[str] = _f(None, "must be a string")
 
     @field_validator("n")
     @classmethod
-    def _n(cls, v):
-        if v is not None and v != 1:
-            raise _fail("unsupported_value", f"only n = 1 is supported, got {v}")
+    def _n(cls, v, info: ValidationInfo):
+        limits = _context(info).get("limits") or Limits()
+        if v is not None and v > limits.max_prompts:
+            raise _fail("limit_exceeded", f"{v} choices in one request; at most {limits.max_prompts}")
         return v
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        if v is None or v == []:
+        if v is None:
             return v
         if not (isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))):
             raise _fail("invalid_value", f"must be a string or a list of strings, got {_short(v)}")
-        raise _fail("unsupported_value", f"stop sequences are not supported (blocks end at EOS or max_tokens), "
-                                         f"got {_short(v)}")
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _min_tokens(cls, v):
-        if v:
-            raise _fail("unsupported_value", f"not supported yet (only 0), got {v}")
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOPS:
+            raise _fail("limit_exceeded", f"{len(stops)} stop strings; at most {MAX_STOPS}")
+        for s in stops:
+            if s == "":
+                raise _fail("invalid_value", "a stop string must not be empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise _fail("limit_exceeded", f"a stop string of {len(s)} characters; at most {MAX_STOP_CHARS}")
         return v
 
-    @field_validator("ignore_eos")
+    @field_validator("stop_token_ids")
     @classmethod
-    def _ignore_eos(cls, v):
-        if v:
-            raise _fail("unsupported_value", "not supported yet (only false): a request ends at EOS or max_tokens")
+    def _stop_token_ids(cls, v):
+        if v is None:
+            return v
+        if len(v) > MAX_STOP_TOKEN_IDS:
+            raise _fail("limit_exceeded", f"{len(v)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
+        bad = next((t for t in v if t < 0), None)
+        if bad is not None:
+            raise _fail("invalid_value", f"token id {bad} is negative; give token ids >= 0")
         return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        from dblock.decoding.params import MAX_TEMPERATURE, MIN_TEMPERATURE
+        if v is not None and v != 0 and not MIN_TEMPERATURE <= v <= MAX_TEMPERATURE:
+            raise _fail("invalid_value", f"must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
+                        f"{MAX_TEMPERATURE:g}], got {v!r}")
+        return v
+
+    @property
+    def stop_strings(self) -> list:
+        """`stop` as a list of strings ([] when absent)."""
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @staticmethod
     def _check_max(v, info: ValidationInfo):
@@ -238,6 +286,7 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[int] = _f(None, "must be an integer >= 0", ge=0)
     suffix: Optional[str] = _f(None, "must be a string")
     add_special_tokens: Optional[bool] = _f(True, "must be true or false")
+    allow_special_tokens: Optional[bool] = _f(False, "must be true or false")
     _prompt_ids: list = PrivateAttr(default_factory=list)
 
     @field_validator("max_tokens")
@@ -343,6 +392,7 @@ class _ChatRender(_Body):
     chat_template_kwargs: Optional[dict[str, Any]] = _f(None, "must be an object")
     chat_template: Optional[str] = _f(None, "must be a string")
     add_special_tokens: Optional[bool] = _f(False, "must be true or false")
+    allow_special_tokens: Optional[bool] = _f(False, "must be true or false")
 
     @field_validator("chat_template")
     @classmethod
@@ -431,6 +481,7 @@ class TokenizeRequest(_Body):
     continue_final_message: Optional[bool] = _f(False, "must be true or false")
     chat_template_kwargs: Optional[dict[str, Any]] = _f(None, "must be an object")
     return_token_strs: Optional[bool] = _f(False, "must be true or false")
+    allow_special_tokens: Optional[bool] = _f(False, "must be true or false")
 
     @field_validator("messages")
     @classmethod
@@ -598,8 +649,43 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+#: most levels of arrays and objects inside each other in a request body (the largest legitimate body, a chat
+#: message with a few nested extra fields, needs well under 10)
+MAX_JSON_DEPTH = 64
+
+# one JSON string, or an unterminated one running to the end (possessive: linear time, no backtracking)
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+\\?+(?:"|\Z)', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+
+
+def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `body` nests arrays/objects deeper than `limit` levels, judged from its raw bytes without parsing it.
+
+    Linear time in C loops: strings are cut out, the brackets kept (`{}` as `[]`), then every innermost `[]` pair
+    is deleted, one pass per level, at most `limit` + 1 passes. Opening brackets left unmatched count as levels
+    (only malformed JSON has them; it is refused either way)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    s = _JSON_STRING.sub(b"", body).translate(_BRACKETS, _NOT_BRACKETS)
+    passes = 0
+    while passes <= limit:
+        t = s.replace(b"[]", b"")
+        if t == s:
+            break
+        s, passes = t, passes + 1
+    return passes + s.count(b"[") > limit
+
+
+def check_json_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    if json_depth_exceeds(body, limit):
+        raise APIError(400, f"request body nests deeper than {limit} levels of arrays and objects; no request "
+                       "needs that many", None, "invalid_json")
+
+
 def parse(cls, body: bytes, limits: Limits, model_names: tuple = ()):
     """Validate a JSON body into `cls`; raise `APIError` (400 naming the field, 404 for another model)."""
+    check_json_depth(body)
     try:
         req = cls.model_validate_json(body, context={"limits": limits})
     except ValidationError as e:
@@ -611,20 +697,31 @@ def parse(cls, body: bytes, limits: Limits, model_names: tuple = ()):
     return req
 
 
-def parse_completion(body: bytes, limits: Limits, tokenizer=None, model_names: tuple = ()) -> CompletionRequest:
-    """Validate a `/v1/completions` body and tokenize its prompts (`.prompts`); raise `APIError` naming the field."""
+def parse_completion(body: bytes, limits: Limits, tokenizer=None, model_names: tuple = (),
+                     control_ids=()) -> CompletionRequest:
+    """Validate a `/v1/completions` body and tokenize its prompts (`.prompts`); raise `APIError` naming the field.
+    `control_ids`: the model's control token ids, which text prompts may not produce (unless allowed)."""
     req = parse(CompletionRequest, body, limits, model_names)
     p = req.prompt
+    kw = dict(add_special_tokens=req.add_special_tokens, allow_special=bool(req.allow_special_tokens),
+              control_ids=control_ids)
     if isinstance(p, str) or all(_is_int(t) for t in p):
-        req._prompt_ids = [encode(p, "prompt", limits, tokenizer, req.add_special_tokens)]
+        req._prompt_ids = [encode(p, "prompt", limits, tokenizer, **kw)]
     else:
-        req._prompt_ids = [encode(x, f"prompt[{i}]", limits, tokenizer, req.add_special_tokens)
-                           for i, x in enumerate(p)]
+        req._prompt_ids = [encode(x, f"prompt[{i}]", limits, tokenizer, **kw) for i, x in enumerate(p)]
     return req
 
 
-def encode(x: Any, param: str, limits: Limits, tokenizer, add_special_tokens: bool = True) -> list:
-    """A prompt (text through tokenizer.json, or token ids) -> token ids within the prompt limit, or `APIError`."""
+OPT_IN = '"allow_special_tokens": true'
+
+
+def encode(x: Any, param: str, limits: Limits, tokenizer, add_special_tokens: bool = True,
+           allow_special: bool = False, control_ids=()) -> list:
+    """A prompt (text, or token ids) -> token ids within the prompt limit, or `APIError` naming `param`.
+
+    Text goes through `dblock.tasks.tokenizer.encode_prompt`: with `allow_special` False (the default) the spelling
+    of a special token is ordinary text and no control token (a special added token, or one of `control_ids`) can
+    come out; a character outside the vocabulary is a 400 naming it."""
     if isinstance(x, str):
         if tokenizer is None:
             raise APIError(400, f"{param}: this model folder has no tokenizer.json: send token ids (a list of "
@@ -634,11 +731,8 @@ def encode(x: Any, param: str, limits: Limits, tokenizer, add_special_tokens: bo
         if len(x) > 16 * limits.max_prompt_tokens:     # bound the tokenizer's work before counting tokens
             raise APIError(400, f"{param}: {len(x)} characters; at most {limits.max_prompt_tokens} tokens are "
                            "accepted (--max-prompt-tokens)", param, "limit_exceeded")
-        try:
-            ids = list(tokenizer.encode(x, add_special_tokens=bool(add_special_tokens)).ids)
-        except Exception as e:
-            raise APIError(400, f"{param}: cannot be tokenized ({type(e).__name__}: {e})", param,
-                           "invalid_value") from None
+        ids = encode_text(tokenizer, x, param, allow_special, add_special_tokens=bool(add_special_tokens),
+                          control_ids=control_ids)
     else:
         ids = list(x)
     if len(ids) == 0:
@@ -647,3 +741,23 @@ def encode(x: Any, param: str, limits: Limits, tokenizer, add_special_tokens: bo
         raise APIError(400, f"{param}: {len(ids)} tokens exceeds this server's limit of {limits.max_prompt_tokens} "
                        "(--max-prompt-tokens)", param, "limit_exceeded")
     return ids
+
+
+def encode_text(tokenizer, text: str, param: str, allow_special: bool, *, add_special_tokens: bool = True,
+                control_ids=(), name: Optional[str] = None) -> list:
+    """`encode_prompt` with its `PromptError` as a 400 naming `param` ("{param}: cannot be tokenized: ..."); `name`
+    (default `param`) is how the text is named inside the message."""
+    from dblock.tasks.tokenizer import PromptError, encode_prompt
+    name = name or param
+    try:
+        return encode_prompt(tokenizer, text, bool(allow_special), add_special_tokens=add_special_tokens,
+                             control_ids=control_ids, name=name, opt_in=OPT_IN)
+    except PromptError as e:
+        msg = str(e)
+        detail = msg[len(name) + 2:] if msg.startswith(name + ": ") else msg
+        where = "" if name == param else f"{name}: "
+        raise APIError(400, f"{param}: cannot be tokenized: {where}{detail}", param, "invalid_value") from None
+    except Exception as e:                              # a tokenizer failure on odd text: still the request's 400
+        detail = (str(e).splitlines() or [""])[0][:200]
+        raise APIError(400, f"{param}: cannot be tokenized ({type(e).__name__}: {detail})", param,
+                       "invalid_value") from None

@@ -4,8 +4,9 @@ Endpoints (request and response bodies: the pydantic models of `protocol.py`)
   POST /v1/completions       OpenAI completions. Non-streaming: one `text_completion`. `"stream": true`: server-sent
                              events, one chunk per committed block (its text and token ids, plus a `dblock` object
                              with the block's index, tokens, passes and server-side block time), then a chunk with
-                             `finish_reason` ("stop" at EOS, "length" at max_tokens), an optional usage chunk
-                             (`stream_options.include_usage`), and `data: [DONE]`.
+                             `finish_reason` ("stop" at EOS, a stop id or a stop string, "length" at max_tokens),
+                             an optional usage chunk (`stream_options.include_usage`), and `data: [DONE]`. With
+                             `n` > 1 (or several prompts) every chunk names its choice by `index`.
   POST /v1/chat/completions  OpenAI chat: `messages` rendered by the model's chat template (`chat.py`), then as
                              above; streamed as `chat.completion.chunk`s: `delta.role` first, `delta.content` per
                              committed block, an empty delta with `finish_reason`, usage, `data: [DONE]`. A model
@@ -21,13 +22,33 @@ Endpoints (request and response bodies: the pydantic models of `protocol.py`)
 Choices carry `token_ids` beside `text` / `message` (as vLLM's `return_token_ids`); without a tokenizer.json in the
 model folder prompts must be token ids and `text` is "" (as vLLM with `skip_tokenizer_init`), and chat is refused.
 
-Errors, every one of them (bad field 400, API key 401, unknown model or path 404, wrong method 405, body too large
-413, framework validation 422, busy 429 with Retry-After, shutting down 503, internal 500), are OpenAI-shaped:
-{"error": {"message", "type", "param", "code"}}.
+Sampling (`sampling_of` in `create_app`): each request's temperature / top_p / top_k / stop / stop_token_ids /
+min_tokens / ignore_eos become its own `SamplingParams` over the server's defaults (absent temperature: greedy,
+dblock's default, unless `dblock serve --temperature T`), so one batch mixes greedy and sampled requests and a seeded
+request gets the same tokens alone or batched (docs/algorithms.md §2.4). `n` choices are n engine requests with
+seeds seed, seed + 1, ...; choice index = prompt * n + j. Stop strings are tokenized for the engine and matched on
+the text (`_TextStops`): the text ends before the first one, as OpenAI; while streaming, text that could begin a
+stop string is held back until it cannot.
+
+Errors, every one of them (bad field 400, API key 401, unknown model or path 404, wrong method 405, body not sent
+in time 408, body too large 413, framework validation 422, busy 429 with Retry-After, shutting down 503, internal
+500), are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 
 Safety: with an API key every endpoint but /health needs `Authorization: Bearer <key>` (401 otherwise, compared in
 constant time); bodies above `Limits.max_body_bytes` get 413 (checked on Content-Length and while reading);
-prompt length and max_tokens above their limits get 400; a full queue 429, shutdown 503.
+prompt length and max_tokens above their limits get 400; a full queue 429, shutdown 503. Careless or hostile
+clients:
+  * a body nesting arrays/objects deeper than `protocol.MAX_JSON_DEPTH` levels: 400 from a scan of the raw bytes,
+    before the JSON parser sees it;
+  * `request_timeout` (`dblock serve --request-timeout`, default 30 s) bounds both halves of receiving a request:
+    a connection that has not delivered complete request headers within it is closed (`_h11_protocol`: uvicorn's
+    own timers only cover idle keep-alive connections), and a body not fully received within it gets 408 with
+    `Connection: close` (a client that declares a Content-Length and never sends the body);
+  * bytes that are not HTTP get h11's 400 and the connection is closed; request headers above
+    `MAX_HEADER_BYTES` likewise;
+  * a client that disconnects while sending its body is one info line in the log (no traceback);
+  * text never becomes a control token by its spelling (`protocol.encode`; chat: `chat.find_special_text`) unless
+    the request says `"allow_special_tokens": true`.
 
 Threads: the engine runs in its own thread (the only one touching the model); a handler submits its request with a
 listener that records the request's metrics and hands each engine event to the event loop
@@ -55,17 +76,25 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from dblock.serving.chat import ChatTemplate, ChatTemplateError
+from dblock.serving.chat import ChatTemplate, ChatTemplateError, find_special_text, special_text_pattern
+from dblock.errors import ConfigError
 from dblock.serving.engine import Engine, Rejected
 from dblock.serving.metrics import CONTENT_TYPE, Metrics
 from dblock.serving.protocol import (APIError, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                                      ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessageOut,
                                      CompletionChoice, CompletionResponse, DeltaMessage, DetokenizeRequest,
                                      DetokenizeResponse, Limits, ModelCard, ModelList, TokenizeRequest,
-                                     TokenizeResponse, UsageInfo, VersionResponse, encode, parse, parse_completion)
+                                     TokenizeResponse, UsageInfo, VersionResponse, MAX_SEED, encode, encode_text,
+                                     parse, parse_completion)
 
 log = logging.getLogger("dblock.serving")
+
+#: default seconds a client has to send a request's headers, and then its body (`dblock serve --request-timeout`)
+REQUEST_TIMEOUT = 30.0
+#: most bytes of request line + headers (h11's incomplete-event limit; beyond it h11 answers 400 and closes)
+MAX_HEADER_BYTES = 64 * 1024
 
 
 def _json_response(status: int, body: dict, headers: Optional[dict] = None):
@@ -76,7 +105,17 @@ def _error(e: APIError):
     headers = {"Retry-After": "1"} if e.status in (429, 503) else None
     if e.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
+    if e.status == 408:                                   # the rest of the body may never come: end the connection
+        headers = {"Connection": "close"}
     return _json_response(e.status, e.body(), headers)
+
+
+def check_request_timeout(value) -> float:
+    """`request_timeout` as a float, or ValueError: a finite number of seconds > 0."""
+    import math
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"request_timeout={value!r}: must be a finite number of seconds > 0")
+    return float(value)
 
 
 class AuthMiddleware:
@@ -105,7 +144,9 @@ class AuthMiddleware:
         return await self.app(scope, receive, send)
 
 
-async def _read_body(request, limit: int) -> bytes:
+async def _read_body(request, limit: int, timeout: float = REQUEST_TIMEOUT) -> bytes:
+    """The request body, at most `limit` bytes (413 above) and within `timeout` seconds (408 beyond); a client that
+    disconnects meanwhile is an `APIError` 499 (logged as one line: nobody reads the answer)."""
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -116,28 +157,70 @@ async def _read_body(request, limit: int) -> bytes:
             raise APIError(413, f"request body of {n} bytes exceeds this server's limit of {limit} bytes "
                            "(--max-body-bytes)", None, "body_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds this server's limit of {limit} bytes (--max-body-bytes)",
-                           None, "body_too_large")
-        chunks.append(chunk)
+
+    async def read():
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds this server's limit of {limit} bytes (--max-body-bytes)",
+                               None, "body_too_large")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        log.info("%s %s: request body not received within %g s (%d bytes came); answered 408", request.method,
+                 request.url.path, timeout, size)
+        raise APIError(408, f"request body: not received within {timeout:g} s ({size} of "
+                       f"{cl if cl is not None else 'an unknown number of'} bytes came; --request-timeout)", None,
+                       "request_timeout") from None
+    except ClientDisconnect:
+        log.info("%s %s: client disconnected while sending the request body (%d bytes came)", request.method,
+                 request.url.path, size)
+        raise APIError(499, "client disconnected while sending the request body", None, "cancelled") from None
     return b"".join(chunks)
+
+
+def _control_ids(cfg) -> set:
+    """The model's control token ids (mask, EOS, pad, BOS) from its config."""
+    out = set()
+    for key in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            out.add(v)
+    return out
+
+
+def _special_spellings(tokenizer) -> list:
+    """The text of the tokenizer's special added tokens (what `tokenizers` turns into control tokens)."""
+    try:
+        return [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+    except AttributeError:                                  # not a tokenizers.Tokenizer
+        return []
 
 
 def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", limits: Optional[Limits] = None,
                api_key: Optional[str] = None, drain_timeout: Optional[float] = None, poll_s: float = 0.25,
-               chat_template: Union[ChatTemplate, str, None] = None):
+               chat_template: Union[ChatTemplate, str, None] = None, request_timeout: float = REQUEST_TIMEOUT):
     """The ASGI app over `engine`. Its lifespan starts the engine thread and, at shutdown, drains and stops it.
 
-    `chat_template`: a `ChatTemplate` (`chat.load_chat_template`), template text, or None (chat answers 400)."""
+    `chat_template`: a `ChatTemplate` (`chat.load_chat_template`), template text, or None (chat answers 400).
+    `request_timeout`: seconds a client has to send the request headers, and then the body (408 beyond); the
+    returned app carries it as `dblock_request_timeout` for `ServerThread` / `run_server` (the header half)."""
 
     limits = (limits or Limits()).validate()
+    request_timeout = check_request_timeout(request_timeout)
     metrics = Metrics(engine, model_name)
     if isinstance(chat_template, str):
         chat_template = ChatTemplate(chat_template, origin="chat_template")
     created = int(time.time())
     max_model_len = int(getattr(engine, "max_positions", 0) or 0)
+    control_ids = _control_ids(getattr(engine, "cfg", None))
+    special_re = special_text_pattern(_special_spellings(tokenizer)) if tokenizer is not None else None
+
+    async def read_body(request):
+        return await _read_body(request, limits.max_body_bytes, request_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -163,7 +246,11 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
         return _error(e)
 
     def render(req, add_special_tokens: bool) -> list:
-        """`messages` through the chat template and the tokenizer -> prompt ids (or APIError naming `messages`)."""
+        """`messages` through the chat template and the tokenizer -> prompt ids (or APIError naming `messages`).
+
+        Message strings (and `chat_template_kwargs` strings) holding a special token's spelling are refused unless
+        `allow_special_tokens`; the rendered text is then tokenized with special tokens recognised, so the ones the
+        template writes are real control tokens (see `chat.py`)."""
         if chat_template is None:
             raise APIError(400, "messages: this model has no chat template (neither chat_template.jinja nor a "
                            "chat_template in tokenizer_config.json in its folder): start the server with "
@@ -172,16 +259,93 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
         if tokenizer is None:
             raise APIError(400, "messages: this model folder has no tokenizer.json, so messages cannot be encoded: "
                            "send token ids to /v1/completions", "messages", "no_tokenizer")
+        messages = req.template_messages()
+        allow = bool(req.allow_special_tokens)
+        if not allow and special_re is not None:
+            hit = find_special_text(messages, special_re, "messages") or \
+                find_special_text(req.chat_template_kwargs or {}, special_re, "chat_template_kwargs")
+            if hit is not None:
+                where, pos, spelled = hit
+                raise APIError(400, f"{where}: the text {spelled!r} at position {pos} is the spelling of a special "
+                               "token; message text cannot produce control tokens (send \"allow_special_tokens\": "
+                               "true to opt in)", where, "special_token_in_text")
         try:
-            text = chat_template.render(req.template_messages(), bool(req.add_generation_prompt),
-                                        bool(req.continue_final_message), req.chat_template_kwargs)
+            text = chat_template.render(messages, bool(req.add_generation_prompt), bool(req.continue_final_message),
+                                        req.chat_template_kwargs)
         except ChatTemplateError as e:
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages",
                            "chat_template_error") from None
-        return encode(text, "messages", limits, tokenizer, add_special_tokens)
+        try:
+            return encode(text, "messages", limits, tokenizer, add_special_tokens, allow_special=True)
+        except APIError as e:
+            if e.code != "invalid_value" or not text:
+                raise
+            for i, m in enumerate(messages):             # name the message whose text cannot be tokenized
+                for key, v in m.items():
+                    if isinstance(v, str) and v and v in text:       # (what the template actually wrote)
+                        encode_text(tokenizer, v, "messages", allow, add_special_tokens=False,
+                                    name=f"messages[{i}].{key}")
+            raise
+
+    def sampling_of(req):
+        """The request's sampling and stop fields over the server's defaults (`engine.dec`, the `dblock serve`
+        decoding flags): (`SamplingParams`, `_TextStops`), or APIError naming the field. OpenAI -> dblock:
+        temperature -> SamplingParams.temperature (absent: the server's default, greedy 0 unless --temperature was
+        given; OpenAI's default of 1 is not assumed), top_p, top_k (-1 -> 0 = off), stop_token_ids, min_tokens,
+        ignore_eos; `stop` strings are tokenized (decoding ends at the first one) and matched on the text, which
+        ends before the first stop string (OpenAI). A stop string the tokenizer cannot encode is matched on the
+        text only. Without request `stop`, the server's own stop sequences (--stop) are matched as their text."""
+        base = engine.dec.sampling_params()
+        kw = {}
+        if req.temperature is not None:
+            kw["temperature"] = float(req.temperature)
+        if req.top_p is not None:
+            kw["top_p"] = float(req.top_p)
+        if req.top_k is not None:
+            kw["top_k"] = max(int(req.top_k), 0)
+        if req.stop_token_ids is not None:
+            kw["stop_token_ids"] = tuple(req.stop_token_ids)
+        if req.min_tokens is not None:
+            kw["min_tokens"] = int(req.min_tokens)
+        if req.ignore_eos is not None:
+            kw["ignore_eos"] = bool(req.ignore_eos)
+        strings = req.stop_strings
+        if req.stop is not None:
+            if strings and tokenizer is None:
+                raise APIError(400, "stop: this model folder has no tokenizer.json, so stop strings cannot be "
+                               "matched: send stop_token_ids", "stop", "no_tokenizer")
+            seqs = []
+            for i, text in enumerate(strings):
+                try:
+                    seqs.append(tuple(encode_text(tokenizer, text, "stop", False, add_special_tokens=False)))
+                except APIError:                            # cannot be encoded: the text match still applies
+                    pass
+            kw["stop"] = tuple(seqs)
+        else:
+            strings = [t for t in (decode(q) for q in base.stop) if t]
+        try:
+            sampling = base.replace(**kw)
+        except ConfigError as e:
+            msg = str(e)
+            param = next((k for k in kw if msg.startswith(k)), None)
+            raise APIError(400, f"{param}: {msg}" if param else msg, param, "invalid_value") from None
+        return sampling, _TextStops(decode, strings, sampling)
 
     async def generate(request, endpoint: str, fmt, prompts: list, max_tokens, seed, stream: bool,
-                       include_usage: bool):
+                       include_usage: bool, sampling=None, stops=None, n: int = 1):
+        """Submit every prompt n times (sample j with seed + j; choice index prompt * n + j) and answer."""
+        stops = stops or _TextStops(decode)
+        seeds = None
+        if n > 1:
+            s0 = engine.dec.seed if seed is None else seed
+            if s0 + n - 1 > MAX_SEED:
+                return fail(endpoint, APIError(400, f"seed: the {n} choices get seeds {s0}..{s0 + n - 1}, beyond "
+                                               f"2^63-1; give a seed <= {MAX_SEED - n + 1}", "seed", "invalid_value"))
+            if len(prompts) * n > limits.max_prompts:
+                return fail(endpoint, APIError(400, f"n: {len(prompts)} prompts x n={n} = {len(prompts) * n} choices; "
+                                               f"at most {limits.max_prompts}", "n", "limit_exceeded"))
+            seeds = [s0 + j for _ in prompts for j in range(n)]
+            prompts = [p for p in prompts for _ in range(n)]
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
@@ -193,16 +357,16 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
                 pass
 
         try:
-            reqs = engine.submit_many(prompts, max_tokens, seed, listener, tag=fmt.id)
+            reqs = engine.submit_many(prompts, max_tokens, seed, listener, tag=fmt.id, sampling=sampling, seeds=seeds)
         except Rejected as e:
             return fail(endpoint, APIError(e.status, e.message, e.param, e.code))
         index = {r.id: i for i, r in enumerate(reqs)}
         metrics.count_http(endpoint, 200)
         if stream:
-            return StreamingResponse(_stream(engine, reqs, index, q, fmt, include_usage, decode),
+            return StreamingResponse(_stream(engine, reqs, index, q, fmt, include_usage, stops),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(engine, request, reqs, index, q, fmt, decode, poll_s)
+        return await _collect(engine, request, reqs, index, q, fmt, stops, poll_s)
 
     @app.get("/health")
     async def health():
@@ -238,37 +402,40 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
     async def completions(request: Request):
         ep = "/v1/completions"
         try:
-            body = await _read_body(request, limits.max_body_bytes)
-            creq = parse_completion(body, limits, tokenizer, (model_name,))
+            body = await read_body(request)
+            creq = parse_completion(body, limits, tokenizer, (model_name,), control_ids)
+            sampling, stops = sampling_of(creq)
         except APIError as e:
             return fail(ep, e)
         fmt = _CompletionFormat("cmpl-" + uuid.uuid4().hex[:24], model_name)
         return await generate(request, ep, fmt, creq.prompts, creq.max_tokens, creq.seed, bool(creq.stream),
-                              creq.include_usage)
+                              creq.include_usage, sampling, stops, creq.n or 1)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         ep = "/v1/chat/completions"
         try:
-            body = await _read_body(request, limits.max_body_bytes)
+            body = await read_body(request)
             creq = parse(ChatCompletionRequest, body, limits, (model_name,))
             ids = render(creq, bool(creq.add_special_tokens))
+            sampling, stops = sampling_of(creq)
         except APIError as e:
             return fail(ep, e)
         fmt = _ChatFormat("chatcmpl-" + uuid.uuid4().hex[:24], model_name)
         return await generate(request, ep, fmt, [ids], creq.budget, creq.seed, bool(creq.stream),
-                              creq.include_usage)
+                              creq.include_usage, sampling, stops, creq.n or 1)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         ep = "/tokenize"
         try:
-            body = await _read_body(request, limits.max_body_bytes)
+            body = await read_body(request)
             req = parse(TokenizeRequest, body, limits, (model_name,))
             if req.messages is not None:
                 ids = render(req, req.special_tokens)
             else:
-                ids = encode(req.prompt, "prompt", limits, tokenizer, req.special_tokens)
+                ids = encode(req.prompt, "prompt", limits, tokenizer, req.special_tokens,
+                             allow_special=bool(req.allow_special_tokens), control_ids=control_ids)
         except APIError as e:
             return fail(ep, e)
         strs = [tokenizer.id_to_token(i) or "" for i in ids] if req.return_token_strs and tokenizer else None
@@ -279,7 +446,7 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
     async def detokenize(request: Request):
         ep = "/detokenize"
         try:
-            body = await _read_body(request, limits.max_body_bytes)
+            body = await read_body(request)
             req = parse(DetokenizeRequest, body, limits, (model_name,))
             if tokenizer is None:
                 raise APIError(400, "tokens: this model folder has no tokenizer.json, so ids cannot be decoded",
@@ -322,16 +489,66 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
         log.exception("unhandled error on %s", request.url.path)
         return _json_response(500, APIError(500, f"internal error: {type(exc).__name__}").body())
 
-    return app if api_key is None else AuthMiddleware(app, api_key)
+    out = app if api_key is None else AuthMiddleware(app, api_key)
+    out.dblock_request_timeout = request_timeout
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # response shapes: completions and chat share the engine side (`_collect`, `_stream`)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _usage(reqs) -> UsageInfo:
+class _TextStops:
+    """The text side of a request's stops, OpenAI's semantics (as vLLM): the returned text ends *before* the first
+    stop string (excluded); the text of a stop token id that ended the output is not shown (its id stays in
+    `token_ids`); `token_ids` end with the token that completes the stop string. Streaming holds back the end of
+    the text while it could still be the start of a stop string (`held`)."""
+
+    def __init__(self, decode, strings=(), sampling=None):
+        self.decode, self.strings = decode, [s for s in strings if s]
+        self.stop_ids = set(sampling.stop_token_ids) if sampling is not None else set()
+        self.min_tokens = sampling.min_tokens if sampling is not None else 0
+
+    def visible(self, ids: list) -> str:
+        if ids and ids[-1] in self.stop_ids and len(ids) > self.min_tokens:
+            ids = ids[:-1]                                  # the output ends at this stop id (docs/algorithms.md §2.6)
+        return self.decode(ids)
+
+    def find(self, text: str) -> Optional[int]:
+        """Index of the earliest stop string in `text`, or None."""
+        hits = [k for k in (text.find(s) for s in self.strings) if k >= 0]
+        return min(hits) if hits else None
+
+    def held(self, text: str) -> int:
+        """Characters at the end of `text` that could begin a stop string (not sent yet while streaming)."""
+        best = 0
+        for s in self.strings:
+            for m in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:m]):
+                    best = m
+                    break
+        return best
+
+    def cut(self, ids: list) -> tuple:
+        """(text, token ids, stopped by a stop string) of a whole output."""
+        text = self.visible(ids)
+        k = self.find(text) if self.strings else None
+        if k is None:
+            return text, list(ids), False
+        lo, hi = 1, len(ids)                                # the shortest prefix whose text holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.find(self.visible(ids[:mid])) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        return text[:k], list(ids[:lo]), True
+
+
+def _usage(reqs, outputs: Optional[dict] = None) -> UsageInfo:
+    """Token counts; `outputs` (request id -> the token ids returned) when the text layer cut them at a stop."""
     p = sum(len(r.prompt) for r in reqs)
-    c = sum(len(r.output_tokens) for r in reqs)
+    c = sum(len(outputs[r.id]) if outputs and r.id in outputs else len(r.output_tokens) for r in reqs)
     return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
@@ -361,6 +578,10 @@ class _CompletionFormat:
     def block(self, i: int, text: str, ids: list, data: dict) -> dict:
         return self._chunk([CompletionChoice(index=i, text=text, token_ids=ids)], dblock=_block_info(data))
 
+    def text(self, i: int, text: str) -> dict:
+        """Text held back while it could start a stop string, sent once the output is final."""
+        return self._chunk([CompletionChoice(index=i, text=text, token_ids=[])])
+
     def final(self, i: int, r, data: dict) -> dict:
         return self._chunk([CompletionChoice(index=i, text="", token_ids=[], finish_reason=data["finish_reason"])],
                            dblock={"request": _request_info(r, data)})
@@ -386,6 +607,9 @@ class _ChatFormat(_CompletionFormat):
         return self._chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=text), token_ids=ids)],
                            dblock=_block_info(data))
 
+    def text(self, i: int, text: str) -> dict:
+        return self._chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=text))])
+
     def final(self, i: int, r, data: dict) -> dict:
         return self._chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(),
                                                        finish_reason=data["finish_reason"])],
@@ -398,7 +622,7 @@ class _ChatFormat(_CompletionFormat):
                                           finish_reason=fr) for i, text, ids, fr in results]).model_dump()
 
 
-async def _collect(engine, request, reqs, index, q, fmt, decode, poll_s):
+async def _collect(engine, request, reqs, index, q, fmt, stops, poll_s):
     results: dict = {}
     try:
         while len(results) < len(reqs):
@@ -420,24 +644,35 @@ async def _collect(engine, request, reqs, index, q, fmt, decode, poll_s):
         status = d.get("status", 500) if kind == "error" else 499
         return _json_response(status, APIError(status, d.get("message", kind), None,
                                                "executor_error" if status == 500 else kind).body())
-    out, infos = [], []
+    out, infos, outputs = [], [], {}
     for r in reqs:
         kind, d = results[r.id]
-        ids = d["ids"]
-        out.append((index[r.id], decode(ids), ids, d["finish_reason"]))
+        text, ids, cut = stops.cut(d["ids"])
+        outputs[r.id] = ids
+        out.append((index[r.id], text, ids, "stop" if cut else d["finish_reason"]))
         infos.append(_request_info(r, d))
-    return _json_response(200, fmt.response(out, _usage(reqs), infos))
+    return _json_response(200, fmt.response(out, _usage(reqs, outputs), infos))
 
 
 def _sse(obj) -> str:
     return "data: " + (obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))) + "\n\n"
 
 
-async def _stream(engine, reqs, index, q, fmt, include_usage, decode):
-    """SSE chunks as blocks commit. Cancellation (client gone) lands in `finally`, which cancels the requests."""
+async def _stream(engine, reqs, index, q, fmt, include_usage, stops):
+    """SSE chunks as blocks commit. Cancellation (client gone) lands in `finally`, which cancels the requests.
+    Text that could begin a stop string is held back until it cannot (`_TextStops`); after a stop string the
+    request's further blocks send nothing."""
     done: set = set()
     ids_so_far = {r.id: [] for r in reqs}
     text_so_far = {r.id: "" for r in reqs}
+    sent_ids = {r.id: [] for r in reqs}
+    cut_at: dict = {}                                       # request id -> True once its text reached a stop string
+
+    def advance(rid, text):
+        prev = text_so_far[rid]
+        text_so_far[rid] = text
+        return text[len(prev):] if text.startswith(prev) else text
+
     try:
         for chunk in fmt.opening(len(reqs)):
             yield _sse(chunk)
@@ -445,22 +680,34 @@ async def _stream(engine, reqs, index, q, fmt, include_usage, decode):
             kind, r, data = await q.get()
             i = index[r.id]
             if kind == "block":
+                if r.id in cut_at:
+                    continue
                 ids_so_far[r.id] += data["ids"]
-                full = decode(ids_so_far[r.id])
-                prev = text_so_far[r.id]
-                delta = full[len(prev):] if full.startswith(prev) else full
-                text_so_far[r.id] = full
-                yield _sse(fmt.block(i, delta, data["ids"], data))
+                text, ids, cut = stops.cut(ids_so_far[r.id])
+                if cut:
+                    cut_at[r.id] = True
+                else:
+                    text = text[:len(text) - stops.held(text)]
+                new_ids = ids[len(sent_ids[r.id]):]
+                sent_ids[r.id] = ids
+                yield _sse(fmt.block(i, advance(r.id, text), new_ids, data))
             elif kind == "done":
                 done.add(r.id)
-                yield _sse(fmt.final(i, r, data))
+                cut = r.id in cut_at
+                if not cut:
+                    text, ids, cut = stops.cut(data["ids"])
+                    sent_ids[r.id] = ids
+                    rest = advance(r.id, text)
+                    if rest:
+                        yield _sse(fmt.text(i, rest))
+                yield _sse(fmt.final(i, r, {**data, "finish_reason": "stop"} if cut else data))
             else:                                           # executor error or cancelled
                 done.add(r.id)
                 status = data.get("status", 499)
                 yield _sse(APIError(status, data.get("message", kind), None,
                                     "executor_error" if kind == "error" else kind).body())
         if include_usage:
-            yield _sse(fmt.usage(_usage(reqs)))
+            yield _sse(fmt.usage(_usage(reqs, sent_ids)))
         yield _sse("[DONE]")
     finally:
         for r in reqs:
@@ -500,9 +747,67 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _h11_protocol(header_timeout: float):
+    """uvicorn's h11 protocol with a header deadline: a connection must deliver a complete request head (request
+    line and headers) within `header_timeout` seconds of opening, or of its previous response, or it is closed.
+
+    uvicorn arms no timer on a fresh connection, and its keep-alive timer is cancelled by the first byte that
+    arrives, so a client sending nothing, or its headers a byte at a time, would otherwise hold a connection (and
+    a --max-queue slot of `limit_concurrency`) for ever. Once a request head is complete the app's body timeout
+    takes over (`_read_body`)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class DblockH11Protocol(H11Protocol):
+        _header_timer = None
+        _waiting_for = None                 # the cycle that was current when the timer was armed
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self):
+            self._disarm()
+            self._waiting_for = self.cycle
+            self._header_timer = self.loop.call_later(header_timeout, self._header_timeout)
+
+        def _disarm(self):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self):
+            self._header_timer = None
+            if self.transport.is_closing() or self.cycle is not self._waiting_for:
+                return
+            client = "%s:%s" % self.client[:2] if self.client else "a client"
+            log.info("closing the connection from %s: no complete request headers within %g s (--request-timeout)",
+                     client, header_timeout)
+            self.transport.close()
+
+        def data_received(self, data):
+            super().data_received(data)
+            if self._header_timer is not None and self.cycle is not self._waiting_for:
+                self._disarm()              # a request head arrived: the app's body timeout applies now
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._arm()                 # waiting for the next request head on a kept-alive connection
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+    return DblockH11Protocol
+
+
 def _uvicorn_server(app, log_level: str, drain_timeout: Optional[float], limit_concurrency: Optional[int],
-                    handle_signals: bool):
+                    handle_signals: bool, request_timeout: Optional[float] = None):
     import uvicorn
+
+    if request_timeout is None:
+        request_timeout = getattr(app, "dblock_request_timeout", REQUEST_TIMEOUT)
+    request_timeout = check_request_timeout(request_timeout)
 
     class Server(uvicorn.Server):
         """uvicorn's server with signal handling that drains and returns (no re-raise of the signal)."""
@@ -530,14 +835,17 @@ def _uvicorn_server(app, log_level: str, drain_timeout: Optional[float], limit_c
 
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=drain_timeout, limit_concurrency=limit_concurrency,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, http=_h11_protocol(request_timeout),
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     return Server(config)
 
 
 def run_server(app, sock: socket.socket, log_level: str = "info", drain_timeout: Optional[float] = None,
-               limit_concurrency: Optional[int] = None) -> None:
-    """Serve `app` on the bound socket until SIGINT/SIGTERM; in-flight requests are drained first."""
-    server = _uvicorn_server(app, log_level, drain_timeout, limit_concurrency, handle_signals=True)
+               limit_concurrency: Optional[int] = None, request_timeout: Optional[float] = None) -> None:
+    """Serve `app` on the bound socket until SIGINT/SIGTERM; in-flight requests are drained first.
+    `request_timeout` (default: the app's, see `create_app`): the header deadline of every connection."""
+    server = _uvicorn_server(app, log_level, drain_timeout, limit_concurrency, handle_signals=True,
+                             request_timeout=request_timeout)
     server.run(sockets=[sock])
 
 
@@ -549,11 +857,13 @@ class ServerThread:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 drain_timeout: Optional[float] = None, limit_concurrency: Optional[int] = None):
+                 drain_timeout: Optional[float] = None, limit_concurrency: Optional[int] = None,
+                 request_timeout: Optional[float] = None):
+        self.server = _uvicorn_server(app, log_level, drain_timeout, limit_concurrency, handle_signals=False,
+                                      request_timeout=request_timeout)
         self.sock = bind_socket(host, port)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self.server = _uvicorn_server(app, log_level, drain_timeout, limit_concurrency, handle_signals=False)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="dblock-uvicorn", daemon=True)
 

@@ -7,9 +7,13 @@ hardware.py   GPU datasheet profiles, efficiency factors, a measured `cpu` profi
 cost.py       roofline cost of one pass (attention, MoE, LM head, collectives) and memory / OOM
 liveness.py   live / fresh shares of a block's rows pass by pass (Epoch LSP)
 serving.py    SimPy serving model: arrivals, admission, batched iterations, P95 ITL, SLO search
-calibrate.py  fit profiles, alpha, r and a cost scale from executor traces; predict held-out runs
+calibrate.py  fit profiles, alpha, r and at most two roofline factors from executor traces; predict held-out runs
 papers.py     the model against the One Block Ahead and Epoch papers
+profile.py    the operator profile of a machine: tables, monotone interpolation, pricing a call (CallShape)
+batch.py      SimPy model of the shared driver (closed batches and serving), priced call by call; decompose
 cli.py        `dblock simulate ...`
 
-It imports only dblock.config, dblock.trace and scientific libraries, never a model or an executor.
+The measuring side — profiler.py (`simulate profile`), measure.py (thread-CPU timing, r on the same rows, serving
+on a CPU-time clock) and validate.py (`simulate validate`) — loads models and executors; every other module imports
+only dblock.config, dblock.trace and scientific libraries, never a model or an executor.
 """

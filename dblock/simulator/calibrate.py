@@ -145,9 +145,13 @@ class CostFit:
     median_abs_rel_err: float
     r2: float
 
+    #: the fitted factors (at most two, always named): the rest of `Calibration` is held at its default
+    FITTED = ("scale", "overhead_s")
+
     def as_dict(self) -> dict:
         return dict(scale=self.cal.scale, overhead_s=self.cal.overhead_s, n_passes=self.n_passes,
-                    median_abs_rel_err=self.median_abs_rel_err, r2=self.r2)
+                    median_abs_rel_err=self.median_abs_rel_err, r2=self.r2, fitted=list(self.FITTED),
+                    held=dict(moe_row_s=self.cal.moe_row_s))
 
 
 def fit_cost(runs: list[Run], cfg: ModelConfig, hw: Hardware, par: cost.Parallel = cost.Parallel()) -> CostFit:
@@ -227,8 +231,14 @@ def calibrate(runs: list[Run], hw: Hardware | None = None, cfg: ModelConfig | No
             a = oba.fit_alpha(c["F"], c["K"], c["R"], nbar)
         except ValueError:
             a = float("nan")
+        batched = any(int(p.get("batch", 1)) > 1 for r_ in (run, nat) for p in r_.passes
+                      if p.get("kind") == "denoise")
         alphas[run.schedule] = dict(alpha=a, naive=oba.naive_alpha(nbar, c["F"], c["K"]),
-                                    r=c["t_den"] / c0["t_den"], n=c["n"], F=c["F"], K=c["K"], R=c["R"],
+                                    r=c["t_den"] / c0["t_den"],
+                                    # docs/counters.md: r is the pass over Native's on the same rows; a T_den ratio
+                                    # is that only at batch 1 (in a batch it mixes r with the composition, β)
+                                    r_kind="T_den ratio of batched runs: r·(call composition), not r" if batched
+                                    else "T_den ratio at batch 1 = r", n=c["n"], F=c["F"], K=c["K"], R=c["R"],
                                     rho=c["tokens_per_block"] / c0["tokens_per_block"],
                                     K_eq4=oba.blocks_from_tokens(c["Y"], run.block_size, c["R"]))
     cal = Calibrated(nbar, profile, liveness, cost_fit, cfg, hw, c0["t_den"], c0["tokens_per_block"], alphas,
@@ -269,8 +279,14 @@ def predict_run(cal: Calibrated, run: Run) -> dict:
     if sched.startswith("flowblock"):          # trace names carry the window: flowblock2, flowblock3, ...
         sched = "flowblock"
     bracket = None
+    masked = str(run.header.get("family", "")) in ("llada2_moe", "llada_moe")
     if sched == "native":
         n_pred, a_pred = cal.nbar, 0.0
+    elif masked:
+        # masked diffusion: a waiting block decodes nothing before promotion (docs/algorithms.md §3), so every
+        # multi-block schedule runs Native's passes: α = 0 by construction, whatever δ says
+        n_pred, a_pred = cal.nbar, 0.0
+        out["note"] = "masked model: the waiting block decodes nothing, α = 0 by construction"
     elif cal.delta is None or cal.profile is None:
         n_pred, a_pred = float("nan"), float("nan")
         out["note"] = cal.delta_note or "no δ calibrated (no --delta-from run): α not predicted"

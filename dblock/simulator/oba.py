@@ -8,7 +8,7 @@ Symbols (per benchmark or population of requests):
     n̄      mean denoising passes per block under Native(C)                         (passes)
     alpha   current-block passes saved per pass the predecessor spends as current     (dimensionless, 0 <= α < 1)
     n_k     passes block k spends as the current block under a concurrent schedule   (passes)
-    r       T_den(schedule) / T_den(Native C), measured at batch 1                    (dimensionless)
+    r       the schedule's pass over Native(C)'s pass on the same rows (= T_den ratio at batch 1)  (dimensionless)
     Y, K, F, R   generated tokens, blocks, denoising passes, responses (sums over requests)
     C       block size (positions)
 
@@ -21,7 +21,8 @@ Eq. 4:                   K ≈ Y/C + R/2                    (the partial last bl
 Eq. 5 (per response of K_i blocks):  Σ_k n_k = n* [K_i + α (1 − (−α)^{K_i}) / (1 + α)]
 Eq. 6 (summed, (−α)^{K_i} neglected): F = n̄/(1+α) · (K + R α/(1+α)),  solved for α on [−1/2, 1)
 Naive:                   ᾱ = n̄/n − 1 with n = F/K (understates α: every first block pays n̄)
-Identities (Appendix D): TPS ratio = (n̄/n)(ρ/r), TPF ratio = ρ (n̄ + 1)/(n + 1), ρ = ratio of tokens per block.
+Identities (Appendix D): TPS ratio = (n̄/n)·ρ/(r·β), TPF ratio = ρ (n̄ + 1)/(n + 1), ρ = ratio of tokens per block,
+                         β = batch-composition factor (1 at batch 1); n̄/n = (1 + α)·φ, φ = transient_factor.
 """
 from __future__ import annotations
 
@@ -173,12 +174,25 @@ def expected_naive_alpha(alpha: float, blocks_per_response: float) -> float:
     return (1.0 + alpha) / (1.0 + x * alpha / (1.0 + alpha)) - 1.0
 
 
-def tps_ratio_identity(nbar_over_n: float, rho: float, r: float) -> float:
-    """Appendix D identity: TPS(schedule)/TPS(Native) = (n̄/n)(ρ/r) on one benchmark.
+def tps_ratio_identity(nbar_over_n: float, rho: float, r: float, beta: float = 1.0) -> float:
+    """TPS(schedule)/TPS(Native) = (n̄/n)·ρ/(r·β) (Appendix D, with the batch-composition factor; docs/counters.md).
 
-    n̄/n: ratio of passes per block, ρ: ratio of tokens per block Y/K, r: ratio of T_den.
+    n̄/n: ratio of passes per block, ρ: ratio of tokens per block Y/K, r: the schedule's pass over the baseline's pass
+    on the same rows, β: the baseline pass's cost per request at the schedule's batch composition over at the
+    baseline's own (1 at batch 1, or whenever both runs batch the same requests alike). At batch 1 r is the ratio of
+    T_den and β = 1, the paper's form (n̄/n)(ρ/r).
     """
-    return nbar_over_n * rho / r
+    if r <= 0 or beta <= 0:
+        raise ValueError(f"r={r}, beta={beta}: must be positive")
+    return nbar_over_n * rho / (r * beta)
+
+
+def transient_factor(alpha: float, K: float, R: float) -> float:
+    """φ = 1/(1 + (R/K)·α/(1+α)): n̄/n = (1 + α)·φ under Eq. (6). The first block of each response gains nothing
+    from promotion, so a finite-length run sits below the fixed point's 1 + α; φ → 1 as K/R → ∞."""
+    if K <= 0 or R <= 0:
+        raise ValueError(f"K={K}, R={R}: must be positive")
+    return 1.0 / (1.0 + (R / K) * alpha / (1.0 + alpha))
 
 
 def tpf_ratio_identity(nbar: float, n: float, rho: float = 1.0) -> float:

@@ -2,8 +2,10 @@
 
 `get_task(name)` names: `arith` (add + rev, 1:1), `arith-add`, `arith-rev`, `arith-small` (add + rev, 1:1, with
 1..4-digit operands and 1..6-digit strings: about 3 blocks per answer; what the bundled tiny models are trained on),
-or a mix spelled `arith:add=3,rev=1` (weights). Keyword arguments go to `ArithTask` (sizes, test_fraction) and
-override a variant's sizes.
+`arith-long` (the `columns` answer style of `dblock/tasks/arith.py`: add of 1..8-digit operands, div -- short
+division of a 4..12-digit number by one digit --, rev of 1..6 digits, weights 2:3:1), or a mix spelled
+`arith:add=3,rev=1` / `arith-long:add=1,div=1,rev=0` (weights over that task's kinds, with its sizes and style).
+Keyword arguments go to `ArithTask` (sizes, test_fraction) and override a variant's sizes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from .tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID, CharTokenizer
 Task = ArithTask
 
 _FIXED = {"arith": None, "arith-add": {"add": 1.0}, "arith-rev": {"rev": 1.0}}
-_VARIANTS = {"arith-small": dict(mix=None, add_digits=(1, 4), rev_len=(1, 6))}
+_VARIANTS = {"arith-small": dict(mix=None, add_digits=(1, 4), rev_len=(1, 6)),
+             "arith-long": dict(mix={"add": 2.0, "div": 3.0, "rev": 1.0}, add_digits=(1, 8), div_digits=(4, 12),
+                                rev_len=(1, 6), style="columns")}
+_MIXABLE = ("arith", "arith-long")    # `NAME:kind=W,...` re-weights these
 
 
 def get_task(name: str, **kwargs) -> ArithTask:
@@ -22,13 +27,16 @@ def get_task(name: str, **kwargs) -> ArithTask:
         return ArithTask(mix=_FIXED[name], name=name, **kwargs)
     if name in _VARIANTS:
         return ArithTask(name=name, **{**_VARIANTS[name], **kwargs})
-    if name.startswith("arith:"):
+    base, sep, spec = name.partition(":")
+    if sep and base in _MIXABLE:
         try:
-            mix = {k.strip(): float(v) for k, v in (item.split("=") for item in name[6:].split(","))}
+            mix = {k.strip(): float(v) for k, v in (item.split("=") for item in spec.split(","))}
         except ValueError:
             raise ValueError(f"bad task mix {name!r}: expected e.g. 'arith:add=3,rev=1'") from None
-        return ArithTask(mix=mix, name=name, **kwargs)
-    raise ValueError(f"unknown task {name!r}; known: {sorted(_FIXED) + sorted(_VARIANTS)} or 'arith:add=W,rev=W'")
+        defaults = _VARIANTS.get(base, {})
+        return ArithTask(name=name, **{**defaults, "mix": mix, **kwargs})
+    raise ValueError(f"unknown task {name!r}; known: {sorted(_FIXED) + sorted(_VARIANTS)}, 'arith:add=W,rev=W' or "
+                     "'arith-long:add=W,div=W,rev=W'")
 
 
 __all__ = ["ArithTask", "BOS_ID", "CharTokenizer", "EOS_ID", "Example", "MARKER", "MASK_ID", "PAD_ID", "Task",

@@ -11,9 +11,10 @@ import argparse
 import json
 import os
 
-from dblock.cli_args import (MAX_PROBLEMS, ArgumentParser, add_batch_size_arg, add_decode_args, add_executor_args,
-                             add_model_args, check_fits, check_out_dir, decode_config, float_arg, int_arg, load_model,
-                             load_tokenizer, make_forward, model_config, schedule_from_args, seed_arg, seeds_arg)
+from dblock.cli_args import (MAX_PROBLEMS, ArgumentParser, ValueRefused, add_batch_size_arg, add_decode_args,
+                             add_executor_args, add_model_args, check_fits, check_out_dir, decode_config, float_arg,
+                             int_arg, load_model, load_tokenizer, make_forward, model_config, schedule_from_args,
+                             seed_arg, seeds_arg)
 
 #: task size ranges (--add-digits, --rev-len): an answer has to fit the tiny models' blocks and positions
 MAX_TASK_LEN = 64
@@ -29,9 +30,9 @@ def _pair(s: str) -> tuple:
     try:
         lo, hi = (int(x) for x in s.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{s[:60]!r}: give MIN,MAX, e.g. 1,4") from None
+        raise ValueRefused(s, "give MIN,MAX, e.g. 1,4") from None
     if not 1 <= lo <= hi <= MAX_TASK_LEN:
-        raise argparse.ArgumentTypeError(f"{s!r}: give 1 <= MIN <= MAX <= {MAX_TASK_LEN}")
+        raise ValueRefused(s, f"give MIN,MAX with 1 <= MIN <= MAX <= {MAX_TASK_LEN}")
     return lo, hi
 
 
@@ -47,9 +48,22 @@ def add_task_args(p, default="arith"):
     p.add_argument("--rev-len", type=_pair, default=None, help="rev string lengths MIN,MAX (default: the task's)")
 
 
-def make_task_from_args(args):
-    from dblock.tasks import get_task
+def task_from_name(name: str, **kw):
+    """`get_task(name, **kw)`, probed with one example, so that a bad name or mix (unknown sub-task, NaN or
+    infinite weights) is one `TaskError` naming --task before any model is read."""
     from dblock.errors import TaskError
+    from dblock.tasks import get_task
+    try:
+        task = get_task(name, **kw)
+        task.examples("test", 1)
+        return task
+    except TaskError:
+        raise
+    except (ValueError, TypeError, OverflowError) as e:
+        raise TaskError(f"--task {str(name)[:60]}: {e}") from None
+
+
+def make_task_from_args(args):
     if args.task is None:
         from dblock.tasks.card import task_of
         args.task = task_of(args.model)
@@ -58,12 +72,7 @@ def make_task_from_args(args):
         kw["add_digits"] = args.add_digits
     if args.rev_len:
         kw["rev_len"] = args.rev_len
-    try:
-        return get_task(args.task, **kw)
-    except TaskError:
-        raise
-    except ValueError as e:
-        raise TaskError(f"--task {str(args.task)[:60]}: {e}") from None
+    return task_from_name(args.task, **kw)
 
 
 def add_parser(subparsers):
@@ -80,6 +89,9 @@ def add_parser(subparsers):
                    help="total optimizer steps (reproducible; overrides --minutes)")
     t.add_argument("--seed", type=seed_arg, default=d.seed, help="seed of weights, data order and noise (default 0)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt with its stored settings")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace --out as a whole at the end of the run when it holds something (default: refuse a "
+                        "non-empty folder)")
     t.add_argument("--size", default=d.size, choices=list(LLADA2_SIZE_NAMES), help=f"model size (default {d.size})")
     add_task_args(t)
     t.add_argument("--block-size", type=int_arg(1, 4096), default=d.block_size,
@@ -144,7 +156,7 @@ def _train(args) -> int:
                       steps=args.steps, minutes=args.minutes if args.steps is None else None,
                       batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, bias_update=args.bias_update,
                       save_every=args.save_every, threads=args.threads, progress=not args.no_progress)
-    summary = train(cfg, resume=args.resume, stop_after=args.stop_after)
+    summary = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(summary, indent=1))
     return 0
@@ -156,7 +168,7 @@ def _eval(args) -> int:
     task = make_task_from_args(args)
     # refused from config.json and tokenizer.json before the weights are read
     folder, cfg = model_config(args)
-    dec = decode_config(args, cfg.family)
+    dec = decode_config(args, cfg.family, tokenizer=folder)
     spec = schedule_from_args(args)
     hf = load_tokenizer(folder)
     if hf is None:

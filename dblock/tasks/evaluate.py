@@ -30,8 +30,8 @@ class TokenizerAdapter:
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: the model folder has no tokenizer.json (needed to encode task prompts)")
-        from tokenizers import Tokenizer
-        return cls(Tokenizer.from_file(path))
+        from dblock.tasks.tokenizer import read_tokenizer
+        return cls(read_tokenizer(path))
 
     def encode(self, text: str) -> list:
         return self.hf.encode(text).ids
@@ -69,7 +69,10 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
     gives the same tokens for every seed); accuracy and counters are reported per seed and pooled.
     `examples`: how many (prompt, output, correct) triples to include for inspection.
     Returns a JSON-ready dict: accuracy, per-kind accuracy, counters of docs/counters.md (Y K F Q TPF TPS wall_TPS T_den_ms
-    wall_s), passes-per-block histogram and mean, blocks and tokens per answer, EOS rate.
+    wall_s), passes-per-block histogram and mean, blocks and tokens per answer, EOS rate, and `requests`: one record
+    per decoded request (per seed) — index in the split, seed, prompt, generated token ids, answer text, expected
+    answer, correct, denoising passes F — so two executors' outputs can be compared token for token (`dblock eval
+    --json`).
     """
     from dblock.decoding.generate import generate
     from dblock.tasks import answer_text
@@ -88,7 +91,7 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
     seeds = list(seeds) if seeds else [dec.seed]
     per_seed, all_passes, all_blocks, all_Y, kinds_ok, kinds_passes = [], [], [], [], {}, {}
     first_block_passes = []
-    shown = []
+    shown, requests = [], []
     sums = {k: 0.0 for k in ("Y", "K", "F", "Q", "den_s", "den_calls", "wall_s")}
     eos_count = 0
     for seed in seeds:
@@ -96,8 +99,11 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
                        seeds=[seed] * len(prompts), batch_size=batch_size)
         s = res.summary()
         correct = 0
-        for e, ids, c in zip(probs, res.tokens, res.counters):
-            ok = task.grade(e.prompt, answer_text(ids, tok))
+        for i, (e, ids, c) in enumerate(zip(probs, res.tokens, res.counters)):
+            text = answer_text(ids, tok)
+            ok = task.grade(e.prompt, text)
+            requests.append({"index": start + i, "seed": seed, "prompt": e.prompt, "tokens": [int(t) for t in ids],
+                             "text": text, "expected": e.answer, "correct": bool(ok), "passes": int(c.F)})
             correct += ok
             kinds_ok.setdefault(e.kind, []).append(ok)
             all_passes += [b.passes for b in c.blocks]
@@ -107,7 +113,7 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
             all_Y.append(c.Y)
             eos_count += bool(ids) and ids[-1] == tok.eos_id
             if len(shown) < examples:
-                shown.append({"prompt": e.prompt, "output": answer_text(ids, tok), "expected": e.answer,
+                shown.append({"prompt": e.prompt, "output": text, "expected": e.answer,
                               "correct": bool(ok), "passes_per_block": [b.passes for b in c.blocks]})
         per_seed.append({"seed": seed, "accuracy": correct / len(probs), "TPF": s["TPF"], "TPS": s["TPS"],
                          "wall_s": s["wall_s"]})
@@ -141,6 +147,7 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
         "blocks_per_answer_hist": histogram(all_blocks),
         "tokens_per_answer_mean": Y / runs,
         "eos_rate": eos_count / runs,
+        "requests": requests,
     }
     if examples:
         out["examples"] = shown

@@ -34,7 +34,7 @@ import threading
 from pathlib import Path
 from typing import Iterable
 
-from dblock.errors import DblockError
+from dblock.errors import ConfigError, PromptError
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<mask>")
 PAD_ID, EOS_ID, BOS_ID, MASK_ID = 0, 1, 2, 3
@@ -124,14 +124,19 @@ class CharTokenizer:
         return cls(vocab)
 
 
+def read_tokenizer(path: str):
+    """A `tokenizers.Tokenizer` from a tokenizer.json; a file that does not parse is a `ConfigError` naming it."""
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers package raises a bare Exception with serde's message
+        detail = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{path}: not a valid tokenizer.json ({detail})") from None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # user text -> token ids
 # ---------------------------------------------------------------------------------------------------------------
-
-class PromptError(DblockError, ValueError):
-    """A text prompt that cannot be encoded as asked: empty, too long, a character outside the vocabulary, or text
-    that would produce a control token. The message names the prompt, the character and its position."""
-
 
 _COPIES: dict = {}                # (id(tok), allow_special) -> (tok, copy): tokenizers prepared for prompts
 _COPIES_LOCK = threading.Lock()
@@ -249,6 +254,7 @@ def encode_prompt(tok, text: str, allow_special: bool = False, *, add_special_to
                 ids.append(tid)
                 offsets.append((pos, pos + 1))
                 pos += 1
+        added = [0] * len(ids)                 # no post-processor: every id comes from the text
     else:
         enc_tok = _prompt_tokenizer(tok, allow_special)
         try:
@@ -266,7 +272,7 @@ def encode_prompt(tok, text: str, allow_special: bool = False, *, add_special_to
             added = [0] * len(ids)
     if not allow_special:
         for j, t in enumerate(ids):
-            if t in control and not (not isinstance(tok, CharTokenizer) and added[j]):
+            if t in control and not added[j]:    # template tokens (a BOS) are not from the text
                 a, b = offsets[j] if j < len(offsets) else (0, 0)
                 label = specials.get(t) or (tok.vocab[t] if isinstance(tok, CharTokenizer) else tok.id_to_token(t))
                 raise PromptError(f"{name}: the text {text[a:b]!r} at position {a} encodes to the control token "

@@ -32,6 +32,19 @@ ran ~4x slower from oversubscription). Checkpoints (`DIR/train_state.pt`: model 
 RNG, history) are written every `save_every` steps and at the end; the HF folder (config.json, model.safetensors,
 tokenizer.json) is written at the end.
 
+Options (TrainConfig; the defaults reproduce earlier runs bit for bit):
+  curriculum     `curriculum_steps` K > 0: the first K steps draw from the task with its size maximum capped, the cap
+                 growing from `curriculum_start` to the full size (`task_for_step`): short operands first.
+  noisy context  `noisy_context` p > 0: with probability p per example one block is trained with One Block Ahead's
+                 warm-up view, its predecessor still noisy (llada2_moe: `noisy_context_mask`, checked against the
+                 reference executor's OBA pass in tests/tasks/test_train_long.py; diffusion_gemma: see
+                 `dblock.tasks.train_uniform.uniform_loss`).
+  evaluation     `eval_every` N > 0: every N steps and at the end, held-out accuracy (overall and by kind) and passes
+                 per block of the first `eval_n` test problems, decoded as `dblock eval` does
+                 (`eval_during_training`); in the summary's `evals`, not counted in the training time, and without
+                 effect on the weights.
+  schedule       linear warmup over `warmup` steps, cosine from `lr` down to `lr * min_lr_frac`.
+
 Time budget: `--minutes N` without `--steps` times `calibrate_steps` steps (after 5 warm ones) and fixes the total
 number of steps so the run fits N minutes (the cosine schedule needs a known length); the summary prints the equivalent
 `--steps` command that reproduces the run bit for bit.
@@ -81,6 +94,7 @@ class TrainConfig:
     task: str = "arith"              # a `get_task` name
     add_digits: Optional[tuple] = None  # ArithTask size ranges (None: the task's defaults)
     rev_len: Optional[tuple] = None
+    div_digits: Optional[tuple] = None  # (arith-long's div)
     block_size: int = 16
     seed: int = 0
     steps: Optional[int] = None      # total optimizer steps (None: fixed from --minutes after calibration)
@@ -95,6 +109,12 @@ class TrainConfig:
     eps: float = 1e-3                # p = (1 - eps) t + eps
     bias_update: float = 1e-3        # u of the aux-loss-free expert-bias update (0 disables it)
     length_chunk: int = 8            # batches of a chunk of this many steps are formed from examples sorted by length
+    curriculum_steps: int = 0        # > 0: over the first steps, the task's size maximum grows from curriculum_start
+    curriculum_start: int = 2        # (see `task_for_step`); 0 steps: the full task from step 0
+    noisy_context: float = 0.0       # probability per example that a block sees its predecessor still noisy (OBA's
+                                     # warm-up block; see `noisy_context_mask` and train_uniform.uniform_loss)
+    eval_every: int = 0              # > 0: held-out accuracy every this many steps (and at the end), in `evals`
+    eval_n: int = 64                 # test problems per in-training evaluation
     save_every: int = 200
     log_every: int = 10
     threads: int = 1                 # 1: on the shared 2-core box 2 threads ran 4x slower (oversubscription)
@@ -176,13 +196,58 @@ def bd3_mask(L: int, C: int) -> torch.Tensor:
     return same | noisy_to_clean | clean_to_clean
 
 
+def noisy_context_mask(L: int, C: int, warm: torch.Tensor) -> torch.Tensor:
+    """(B, 2L, 2L) BD3 masks where, in example b, the noisy block `warm[b]` (>= 1; -1: none) gets One Block Ahead's
+    warm-up view: it sees the NOISY block warm[b] - 1 (its x_t rows, which see only the clean blocks before them, as
+    the current block does) instead of the clean one, as the warm-up block sees the still-masked current block
+    (docs/algorithms.md, One Block Ahead). Every other block keeps the plain BD3 view."""
+    base = bd3_mask(L, C)
+    B = warm.shape[0]
+    if not bool((warm >= 1).any()):
+        return base[None].expand(B, 2 * L, 2 * L)
+    idx = torch.arange(2 * L)
+    half, blk = idx // L, (idx % L) // C
+    row_warm = (half[None, :] == 0) & (blk[None, :] == warm[:, None])                    # (B, 2L) query rows
+    prev = blk[None, :] == blk[:, None] - 1                                              # (2L, 2L)
+    swap_in = prev & (half[None, :] == 0)                                                # keys: noisy prev block
+    swap_out = prev & (half[None, :] == 1)                                               # keys: clean prev block
+    warm_view = (base & ~swap_out) | swap_in
+    return torch.where(row_warm[:, :, None], warm_view[None], base[None])
+
+
+def draw_warm_blocks(B: int, L: int, C: int, prob: float, gen: torch.Generator) -> torch.Tensor:
+    """(B,) the block of each example trained with the warm-up view (uniform in 1..L/C - 1) with probability
+    `prob`, else -1."""
+    pick = torch.rand(B, generator=gen) < prob
+    n_blocks = L // C
+    w = torch.randint(1, max(2, n_blocks), (B,), generator=gen)
+    return torch.where(pick & (n_blocks >= 2), w, torch.full_like(w, -1))
+
+
 def make_task(cfg: TrainConfig):
     kw = {}
     if cfg.add_digits:
         kw["add_digits"] = tuple(cfg.add_digits)
     if cfg.rev_len:
         kw["rev_len"] = tuple(cfg.rev_len)
+    if cfg.div_digits:
+        kw["div_digits"] = tuple(cfg.div_digits)
     return get_task(cfg.task, **kw)
+
+
+def task_for_step(task, cfg: TrainConfig, step: int):
+    """The task the examples of `step` come from. With `curriculum_steps` K > 0, steps s < K draw from
+    `task.capped(m)` (every size range's maximum lowered to m), m growing linearly from `curriculum_start` to the
+    task's largest maximum over the K steps, by chunks of `length_chunk` steps (a chunk has one m): short operands
+    first. A pure function of (cfg, step), so determinism and resumption are unchanged."""
+    K = cfg.curriculum_steps
+    if K <= 0 or step >= K:
+        return task
+    hi = max(r[1] for r in task.sizes().values())
+    lo = min(max(1, cfg.curriculum_start), hi)
+    first = (step // max(1, cfg.length_chunk)) * max(1, cfg.length_chunk)
+    m = lo + (hi - lo + 1) * first // K
+    return task if m >= hi else task.capped(m)
 
 
 def _step_seed(seed: int, step: int, salt: int) -> int:
@@ -206,6 +271,7 @@ def rows_for_step(task, tok: CharTokenizer, cfg: TrainConfig, step: int) -> list
     permutation -- less padding than random batches, same data, a pure function of (seed, step)."""
     B, n = cfg.batch_size, max(1, cfg.length_chunk)
     chunk, within = divmod(step, n)
+    task = task_for_step(task, cfg, step)
     key = (task._seed_key, cfg.seed, B, n, chunk)
     if _CHUNK_CACHE.get("key") != key:
         base = cfg.seed * 1_000_000_000 + chunk * n * B
@@ -242,13 +308,17 @@ def add_noise(x0: torch.Tensor, prompt: torch.Tensor, mask_id: int, eps: float, 
     return xt, masked, p
 
 
-def diffusion_loss(model, x0, xt, masked, p, prompt, taps=None):
-    """LLaDA SFT loss with the BD3 mask: mean over examples of sum_masked CE/p / answer-region length."""
+def diffusion_loss(model, x0, xt, masked, p, prompt, taps=None, warm=None):
+    """LLaDA SFT loss with the BD3 mask: mean over examples of sum_masked CE/p / answer-region length.
+    `warm` (B,) long: per example the block trained with the warm-up view (`noisy_context_mask`), -1 none."""
     B, L = x0.shape
     C = model.config.block_size
     tokens = torch.cat([xt, x0], dim=1)                                   # (B, 2L)
     positions = torch.arange(L).repeat(2)[None].expand(B, 2 * L)          # (B, 2L)
-    mask = bd3_mask(L, C)[None].expand(B, 2 * L, 2 * L)                   # (B, 2L, 2L)
+    if warm is None:
+        mask = bd3_mask(L, C)[None].expand(B, 2 * L, 2 * L)               # (B, 2L, 2L)
+    else:
+        mask = noisy_context_mask(L, C, warm)
     hidden, _ = model(tokens, positions, mask, taps=taps)
     rows = hidden[:, :L][masked]                                          # (M, H) masked noisy rows
     logits = model.logits(rows)                                           # (M, V) fp32
@@ -329,10 +399,38 @@ def _atomic_save(obj, path: str) -> None:
 
 
 def save_state(path: str, model, opt, cfg: TrainConfig, step: int, total: Optional[int], elapsed: float,
-               history: list, loads_acc: torch.Tensor) -> None:
+               history: list, loads_acc: torch.Tensor, evals: Optional[list] = None) -> None:
     _atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "total_steps": total,
                   "config": asdict(cfg), "elapsed_s": elapsed, "history": history, "loads": loads_acc,
-                  "torch_rng": torch.get_rng_state()}, path)
+                  "torch_rng": torch.get_rng_state(), "evals": evals or []}, path)
+
+
+def recent_loss(history: list) -> Optional[float]:
+    return history[-1]["loss"] if history else None
+
+
+def eval_during_training(model, task, tok: CharTokenizer, cfg: TrainConfig, step: int,
+                         loss: Optional[float] = None) -> dict:
+    """Held-out accuracy of the model being trained: the first `eval_n` test problems of the task, decoded with the
+    family's default rule (threshold 0.95 for llada2_moe, entropy-bound seed 0 for diffusion_gemma; reference
+    executor, native schedule), as `dblock eval` does. The training RNG state and mode are restored, so a run with
+    evaluations has the same weights as one without."""
+    from dblock.config import DecodeConfig
+    from dblock.tasks.evaluate import evaluate
+    rule = "entropy-bound" if cfg.family == "diffusion_gemma" else "threshold"
+    rng = torch.get_rng_state()
+    t0 = time.perf_counter()
+    model.eval()
+    try:
+        r = evaluate(model, task, n=cfg.eval_n, dec=DecodeConfig(rule=rule), tokenizer=tok)
+    finally:
+        model.train()
+        torch.set_rng_state(rng)
+    return {"step": step, "loss": loss, "accuracy": round(r["accuracy"], 4),
+            "accuracy_by_kind": {k: round(v, 4) for k, v in r["accuracy_by_kind"].items()},
+            "passes_per_block_mean": round(r["passes_per_block_mean"], 3),
+            "passes_per_block_mean_by_kind": {k: round(v, 3) for k, v in r["passes_per_block_mean_by_kind"].items()},
+            "eval_s": round(time.perf_counter() - t0, 1)}
 
 
 def reproduce_command(cfg: TrainConfig, total: int) -> str:
@@ -344,8 +442,16 @@ def reproduce_command(cfg: TrainConfig, total: int) -> str:
         parts += ["--add-digits", "{},{}".format(*cfg.add_digits)]
     if cfg.rev_len:
         parts += ["--rev-len", "{},{}".format(*cfg.rev_len)]
+    if cfg.div_digits:
+        parts += ["--div-digits", "{},{}".format(*cfg.div_digits)]
     if cfg.bias_update != TrainConfig.bias_update:
         parts += ["--bias-update", str(cfg.bias_update)]
+    if cfg.min_lr_frac != TrainConfig.min_lr_frac:
+        parts += ["--min-lr-frac", str(cfg.min_lr_frac)]
+    if cfg.curriculum_steps:
+        parts += ["--curriculum-steps", str(cfg.curriculum_steps), "--curriculum-start", str(cfg.curriculum_start)]
+    if cfg.noisy_context:
+        parts += ["--noisy-context", str(cfg.noisy_context)]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -407,7 +513,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
     state_path = os.path.join(run_dir, STATE_FILE)
     tok = CharTokenizer()
 
-    step, total, elapsed_before, history = 0, cfg.steps, 0.0, []
+    step, total, elapsed_before, history, evals = 0, cfg.steps, 0.0, [], []
     state = None
     if resume:
         if not os.path.isfile(state_path):
@@ -418,6 +524,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
         cfg = stored
         step, total = state["step"], state["total_steps"]
         elapsed_before, history = state["elapsed_s"], state["history"]
+        evals = state.get("evals", [])
     task = make_task(cfg)
     uniform = cfg.family == "diffusion_gemma"
     if uniform:
@@ -444,7 +551,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
                    file=sys.stderr, mininterval=2.0)
     t_start = time.perf_counter()
     start_step = last_save = step
-    recent = []
+    recent, t_cal = [], None
     while total is None or step < total:
         if stop_after is not None and step >= stop_after:
             break
@@ -454,11 +561,14 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
             g["lr"] = lr
         taps = {}
         if uniform:
-            loss, info = uniform_loss(model, rows_for_step(task, tok, cfg, step), gen, taps)
+            loss, info = uniform_loss(model, rows_for_step(task, tok, cfg, step), gen, taps,
+                                      noisy_context=cfg.noisy_context)
         else:
             x0, prompt = batch_for_step(task, tok, cfg, step)
             xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps, gen)
-            loss, info = diffusion_loss(model, x0, xt, masked, p, prompt, taps)
+            warm = (draw_warm_blocks(x0.shape[0], x0.shape[1], cfg.block_size, cfg.noisy_context, gen)
+                    if cfg.noisy_context > 0 else None)
+            loss, info = diffusion_loss(model, x0, xt, masked, p, prompt, taps, warm=warm)
             info["L"] = int(x0.shape[1])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -494,17 +604,25 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
             if bar is not None:
                 bar.total = total
                 bar.refresh()
+        if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == total) and \
+                not any(e["step"] == step for e in evals):
+            t_ev = time.perf_counter()
+            evals.append(eval_during_training(model, task, tok, cfg, step, recent_loss(history)))
+            dt = time.perf_counter() - t_ev            # evaluation time is not training time
+            t_start += dt
+            t_cal = None if t_cal is None else t_cal + dt
+            log(f"train-tiny: eval at step {step}: " + json.dumps(evals[-1]))
         if step - last_save >= cfg.save_every:
             save_state(state_path, model, opt, cfg, step, total, elapsed_before + time.perf_counter() - t_start,
-                       history, loads_acc)
+                       history, loads_acc, evals)
             last_save = step
     if bar is not None:
         bar.close()
     elapsed = elapsed_before + time.perf_counter() - t_start
-    save_state(state_path, model, opt, cfg, step, total, elapsed, history, loads_acc)
+    save_state(state_path, model, opt, cfg, step, total, elapsed, history, loads_acc, evals)
     summary = {"steps_done": step, "total_steps": total, "wall_s": round(elapsed, 1), "params": n_params,
                "config": asdict(cfg), "reproduce": reproduce_command(cfg, total) if total else None,
-               "final": history[-1] if history else None,
+               "final": history[-1] if history else None, "evals": evals,
                "expert_balance_ema": balance_stats(loads_acc) if loads_acc.sum() > 0 else None,
                "expert_bias_range": None if uniform else [[round(float(layer.mlp.expert_bias.min()), 4),
                                                            round(float(layer.mlp.expert_bias.max()), 4)]

@@ -20,6 +20,9 @@ One training step, everything in one set of shared weights, exactly the computat
            batch, + the encoder's causal LM loss, + `aux_coef` x the Switch load-balancing loss
            E * sum_e f_e P_e per layer (f_e: share of the top-K assignments, P_e: mean router probability) -- the
            Gemma router has no expert bias, so the aux loss is the balancing mechanism here.
+  noisy context (`noisy_context` p > 0, off by default): with probability p an example's canvas j is partly noised
+           in the encoder input, so canvas j + 1 learns to denoise behind a still-noisy predecessor, as One Block
+           Ahead's warm-up canvas does (see `uniform_loss`).
 """
 from __future__ import annotations
 
@@ -84,13 +87,6 @@ def build_gemma(cfg):
     model = GemmaModel(gemma_config(cfg.size, cfg.block_size))
     init_gemma_weights(model, cfg.seed)
     return model
-
-
-def export_gemma(model, out: str, tok: CharTokenizer, **kw) -> None:
-    """The HF folder of a trained DiffusionGemma: `dblock.tasks.train.export` (all or nothing; generation_config.json
-    beside the weights so transformers stops and pads as dblock does; the tokenizer)."""
-    from dblock.tasks.train import export
-    export(model, out, tok, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,8 +169,35 @@ def switch_aux(records: list, n_experts: int, weights: Optional[list] = None) ->
     return total / max(1, len(records))
 
 
-def uniform_loss(model, rows: list, gen: torch.Generator, taps: dict):
-    """One step's loss (see the module docstring). `rows`: [(ids, prompt length)]. Fills taps["topk_ids"]."""
+def noisy_context_draw(gen: torch.Generator, P: torch.Tensor, n_canvas: int, C: int, V: int, prob: float, Lf: int):
+    """Which examples see a noisy predecessor canvas, which one, and its noise (see `uniform_loss`).
+
+    Returns (noise (B, Lf) bool: encoder-input positions replaced, draws (B, Lf) the replacement tokens, j (B,) the
+    noisy canvas or -1). An example is picked with probability `prob` when it has two canvases or more; its canvas j
+    is uniform in [0, n_canvas - 2] and each of its positions is replaced by a uniform token with probability
+    s ~ U(0, 1) (a partly denoised canvas, as the current block is while the warm-up block works)."""
+    B = P.shape[0]
+    pick = torch.rand(B, generator=gen) < prob
+    j = torch.randint(0, max(1, n_canvas - 1), (B,), generator=gen)
+    level = torch.rand(B, generator=gen)
+    draws = torch.randint(0, V, (B, Lf), generator=gen)
+    u = torch.rand(B, Lf, generator=gen)
+    pick &= n_canvas >= 2
+    pos = torch.arange(Lf)[None]
+    start = P + j * C
+    noise = pick[:, None] & (pos >= start[:, None]) & (pos < (start + C)[:, None]) & (u < level[:, None])
+    return noise, draws, torch.where(pick, j, torch.full_like(j, -1))
+
+
+def uniform_loss(model, rows: list, gen: torch.Generator, taps: dict, noisy_context: float = 0.0):
+    """One step's loss (see the module docstring). `rows`: [(ids, prompt length)]. Fills taps["topk_ids"].
+
+    `noisy_context` p > 0 trains One Block Ahead's warm-up view (docs/algorithms.md: the warm-up block sees the
+    current block while it is still noisy): with probability p an example's canvas j (of two or more) is partly
+    replaced by uniform noise in the ENCODER input (`noisy_context_draw`), so canvas j + 1 is denoised behind a noisy
+    predecessor. The example's loss then keeps only what that context does not corrupt: the AR targets before canvas
+    j's first noisy input, the canvases <= j + 1 (later canvases would see a noisy block two back, which decoding
+    never shows). p = 0 draws nothing more, so it is bit-identical to the plain loss."""
 
     cfg = model.config
     C, V, W = cfg.canvas_length, cfg.vocab_size, cfg.sliding_window
@@ -182,18 +205,26 @@ def uniform_loss(model, rows: list, gen: torch.Generator, taps: dict):
     B, Lf = x.shape
     La = n_canvas * C
     positions = torch.arange(Lf)[None].expand(B, Lf)
+    x_enc, j_noisy = x, None
 
     records: list = []
     hooks = _router_hooks(model, records)
     try:
-        # encoder: causal pass over the clean row -> cache K/V and the AR loss
-        enc_hidden, kv = model._stack(model.embed(x), positions, encoder_masks(valid, W), None, decoder=False,
+        if noisy_context > 0:
+            noise, draws, j_noisy = noisy_context_draw(gen, P, n_canvas, C, V, noisy_context, Lf)
+            x_enc = torch.where(noise & valid, draws, x)
+        # encoder: causal pass over the clean row (canvas j partly noisy for noisy-context examples) -> cache K/V
+        # and the AR loss
+        enc_hidden, kv = model._stack(model.embed(x_enc), positions, encoder_masks(valid, W), None, decoder=False,
                                       taps=None)
         n_enc = len(records)
         logits_enc = model.logits(enc_hidden[:, :-1])                                     # (B, Lf-1, V)
         tgt = x[:, 1:]
         pos_t = torch.arange(1, Lf)[None]
         ar_mask = valid[:, 1:] & (pos_t >= P[:, None])                                    # answer-region targets
+        if j_noisy is not None:                     # targets whose causal input holds no noise
+            first = torch.where(j_noisy >= 0, P + j_noisy * C + 1, torch.full_like(P, Lf + 1))
+            ar_mask &= pos_t < first[:, None]
         ar = F.cross_entropy(logits_enc[ar_mask], tgt[ar_mask])
 
         # noise
@@ -218,7 +249,11 @@ def uniform_loss(model, rows: list, gen: torch.Generator, taps: dict):
         hidden = model.decode(xt, pos_a, masks, kv, soft, taps=taps)
         logits2 = model.logits(hidden)                                                    # (B, La, V)
         ce = F.cross_entropy(logits2.reshape(-1, V), x0a.reshape(-1), reduction="none").view(B, La)
-        diff = ce.mean(1).mean()
+        if j_noisy is None:
+            diff = ce.mean(1).mean()
+        else:                                       # noisy-context examples: canvases <= j + 1 only
+            keep = (j_noisy[:, None] < 0) | (torch.arange(La)[None] // C <= j_noisy[:, None] + 1)
+            diff = ((ce * keep).sum(1) / keep.sum(1)).mean()
         aux = switch_aux(records, cfg.num_experts,
                          [valid.reshape(-1)] * n_enc + [None] * (len(records) - n_enc))
     finally:

@@ -93,18 +93,21 @@ def test_oba_counters_by_hand_and_in_order_commit():
     fwd = ScriptedForward(oba_script)
     res = generate(fwd, [[1, 2, 3, 4]], DecodeConfig(max_new_tokens=8, block_size=4), "oba")
     c = res.counters[0]
-    # pass 1: block 1 commits its most confident row (fallback); warm-up block 2 decodes all 4 rows at once but
-    # cannot commit before block 1.  pass 2: block 1 commits one more row (fallback).  pass 3: block 1's last
-    # two rows clear tau -> block 1 commits; block 2 is promoted already complete and commits with no pass.
+    # pass 1: block 1 commits its most confident row (fallback); the warm-up block 2 rides along but decodes
+    # nothing (masked diffusion cannot revise, so a waiting block commits nothing: docs/algorithms.md §3).
+    # pass 2: block 1 commits one more row (fallback).  pass 3: block 1's last two rows clear tau -> block 1
+    # commits; block 2 is promoted as a fresh block.  pass 4 (block 2 alone, the final block): all 4 rows clear tau.
     assert [b.block for b in c.blocks] == [1, 2]
-    assert [b.passes for b in c.blocks] == [3, 0] and [b.warmup_steps for b in c.blocks] == [0, 3]
-    assert (c.F, c.K, c.Q, c.Y) == (3, 2, 5, 8)
+    assert [b.passes for b in c.blocks] == [3, 1] and [b.warmup_steps for b in c.blocks] == [0, 3]
+    assert (c.F, c.K, c.Q, c.Y) == (4, 2, 6, 8)
     assert res.tokens[0] == [2, 2, 2, 2, 5, 5, 5, 5]
-    # every denoising call paired the two blocks with the block-causal mask; one append (prefill) before, one
-    # append of both committed blocks' ... only block 1 needs appending before the request ends
+    assert res.tokens == generate(ScriptedForward(oba_script), [[1, 2, 3, 4]],
+                                  DecodeConfig(max_new_tokens=8, block_size=4), "native").tokens
+    # every denoising call while block 1 is current paired the two blocks with the block-causal mask
     den = [items for kind, items in fwd.calls if kind == "denoise"]
-    assert all([s.block for s in items[0].segments] == [1, 2] for items in den)
-    assert all(torch.equal(items[0].visibility, block_causal(2)) for items in den)
+    assert all([s.block for s in items[0].segments] == [1, 2] for items in den[:3])
+    assert all(torch.equal(items[0].visibility, block_causal(2)) for items in den[:3])
+    assert [s.block for s in den[3][0].segments] == [2]
     assert [s.role for s in den[0][0].segments] == ["current", "warmup"]
 
 
@@ -122,23 +125,21 @@ def test_final_block_has_no_warmup():
     assert [s.block for s in den[-1].segments] == [3]   # blocks 1..3; the last pass carries block 3 alone
 
 
-def test_masked_drop_time_resets_the_pass_clock():
-    # fixed-k, 8 steps per block of 8: block 0 holds 4 prompt rows + 4 masks (one per pass), the warm-up block 1
-    # decodes one row per pass beside it. At promotion keep_all keeps block 1's clock (4 passes), drop_time
-    # restarts it; decoded tokens are kept either way (masked diffusion cannot revise).
+@pytest.mark.parametrize("name", ["oba", "drop_time", "keep_tokens", "no_accept", "dense_mask"])
+def test_masked_warmup_block_commits_nothing(name):
+    # fixed-k, 8 steps per block of 8: block 0 holds 4 prompt rows + 4 masks (one per pass) beside the warm-up
+    # block 1. Masked diffusion cannot revise a revealed token, so under every OBA variant the waiting block decodes
+    # nothing and is promoted as a fresh block: all rows masked, pass clock 0 (docs/algorithms.md §3).
     dec = DecodeConfig(max_new_tokens=20, block_size=8, rule="fixed-k", steps=8)
-    for name in ("oba", "drop_time"):
-        fwd = ScriptedForward(lambda p: (3, 1), block_size=8)
-        run = RequestRun(Request([1, 2, 3, 4], 20, id=0), fwd, schedule_spec(name), dec)
-        t = RunTimes()
-        while run.counters.K == 0:
-            snap = run.inflight[1].state.tokens.clone()
-            step_once([run], fwd, t)
-        promoted = run.inflight[0].state
-        assert run.inflight[0].index == 1 and run.counters.blocks[0].passes == 4
-        decoded = promoted.tokens != 15
-        assert int(decoded.sum()) == 4 and torch.equal(promoted.tokens[snap != 15], snap[snap != 15])
-        assert promoted.passes == (4 if name == "oba" else 0)
+    fwd = ScriptedForward(lambda p: (3, 1), block_size=8)
+    run = RequestRun(Request([1, 2, 3, 4], 20, id=0), fwd, schedule_spec(name), dec)
+    t = RunTimes()
+    while run.counters.K == 0:
+        step_once([run], fwd, t)
+    promoted = run.inflight[0].state
+    assert run.inflight[0].index == 1 and run.counters.blocks[0].passes == 4
+    assert run.inflight[0].warmup_steps == 4
+    assert bool((promoted.tokens == 15).all()) and promoted.passes == 0 and promoted.draws == 0
 
 
 def test_warmup_clock_holds_before_max_steps():
@@ -150,7 +151,7 @@ def test_warmup_clock_holds_before_max_steps():
     for _ in range(2):
         step_once([run], fwd, t)
     warm = run.inflight[1].state
-    assert warm.passes <= dec.max_steps - 1 and int(warm.live.sum()) == 2  # 1 row per pass, no commit-all
+    assert warm.passes <= dec.max_steps - 1 and int(warm.live.sum()) == 4  # masked: a waiting block decodes nothing
 
 
 # ---- uniform-state: promotion per ablation and noise streams --------------------------------------------------

@@ -220,3 +220,25 @@ def test_entropy_bound_check_shares_randomness_and_detects_changes():
     flipped[0, 2] -= 80                                       # position 0 changes its argmax and its entropy
     chk = entropy_bound_check(rule, st_, z, flipped, gen)
     assert not chk["agree"] and chk["argmax_diff"] >= 1
+
+
+def test_threshold_comparison_follows_threshold_inclusive():
+    """At conf = τ exactly (row 0: two equal real logits, conf = 0.5 = τ) the strict rule (the default, as LLaDA2.0)
+    leaves the row, the inclusive one commits it; the margin is 0 on that row either way."""
+    z = torch.tensor([[0.0, 0.0, 5.0], [1.0, 0.0, 5.0]], dtype=torch.float64)   # column 2 is MASK
+    tok, com = threshold_decision64(z, 2, tau=0.5)
+    assert com.tolist() == [False, True] and tok.tolist() == [0, 0]
+    tok, com = threshold_decision64(z, 2, tau=0.5, inclusive=True)
+    assert com.tolist() == [True, True]
+    m = threshold_margin(z, 2, tau=0.5)
+    assert m.commit.tolist() == [False, True] and float(m.slack_exact[0]) == 0.0
+    m = threshold_margin(z, 2, tau=0.5, inclusive=True)
+    assert m.commit.tolist() == [True, True] and float(m.gamma_exact[0]) == 0.0
+
+
+def test_tau_one_is_a_valid_threshold():
+    """τ = 1 is allowed by DecodeConfig: strictly, no row ever clears it (the fallback decides), and its margin is the
+    fallback's, never a math domain error."""
+    z = torch.tensor([[4.0, 1.0, 0.0], [0.0, 3.0, 0.5]], dtype=torch.float64)
+    m = threshold_margin(z, 2, tau=1.0)
+    assert m.fallback and int(m.commit.sum()) == 1 and bool(torch.isfinite(m.gamma_exact).all())

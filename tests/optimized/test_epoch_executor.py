@@ -157,8 +157,10 @@ def test_shape_mismatch_falls_back():
 
 
 def test_atlas_failure_uses_all_experts():
-    # no_lsp keeps every row fresh; a support that can never reach coverage (B=1, no repair) fails closed
-    d = Driver(config="no_lsp", atlas_q=1.0)
+    # no_lsp keeps every row fresh; a support that can never reach coverage (B=1, no repair) fails closed. Every row
+    # fresh means nothing to skip, so the cost rule would send every call down the dense path (no support at all):
+    # the epoch path is pinned, it is the one whose Atlas failure is under test
+    d = Driver(config="no_lsp", atlas_q=1.0, path="epoch")
     d.f.ap.B, d.f.ap.c = 1, 0
     for _ in range(3):
         e, r = d.step()

@@ -1,5 +1,7 @@
-"""Models named by a Hugging Face id load from the local Hugging Face cache only (never the network); the shard
-loop shows a progress bar only when asked for or on a terminal, never in tests."""
+"""Hugging Face interoperability of model folders: models named by a Hugging Face id load from the local Hugging
+Face cache only (never the network); the shard loop shows a progress bar only when asked for or on a terminal, never
+in tests; a llada_moe config.json is written as the official LLaDA-MoE config writes `moe_layer_freq`."""
+import json
 import os
 import shutil
 import socket
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 import dblock
+from dblock.config import ConfigError, llada_config_from_dict, load_config
 from dblock.errors import WeightsError
 from dblock.tiny import make_tiny, make_tiny_model
 from dblock.weights import CHECKPOINTS_DIR, hf_cache_dir, model_family, resolve_model_path
@@ -157,7 +160,7 @@ def test_progress_forced(sharded, capsys, monkeypatch):
     n = len([f for f in os.listdir(sharded) if f.endswith(".safetensors")])
     dblock.load(sharded, progress=True)
     err = capsys.readouterr().err
-    assert "loading sharded" in err and f"{n}/{n}" in err
+    assert "loading sharded" in err and f"/{n} " in err and "shard" in err   # one step per shard file
     monkeypatch.setenv("DBLOCK_PROGRESS", "1")
     dblock.load(sharded)
     assert "loading sharded" in capsys.readouterr().err
@@ -183,3 +186,58 @@ def test_progress_names_a_cached_model_by_its_id(hub, capsys, monkeypatch):
     _add_snapshot(hub["hub"], "org/sharded", COMMIT, str(out))
     dblock.load("org/sharded", progress=True)
     assert "loading org/sharded" in capsys.readouterr().err
+
+
+# ---- llada_moe config.json: moe_layer_freq as the official config writes it -------------------------------------
+
+def test_llada_moe_round_trip_writes_moe_layer_freq_list(tiny_dirs):
+    folder = tiny_dirs["llada_moe"]
+    with open(os.path.join(folder, "config.json")) as f:
+        d = json.load(f)
+    assert d["moe_layer_freq"] == [1] * d["num_hidden_layers"]   # the official class indexes it per layer
+    cfg = load_config(folder)
+    assert cfg.to_hf_dict()["moe_layer_freq"] == d["moe_layer_freq"]
+    assert dblock.load(folder).config.moe_layers == list(range(cfg.num_hidden_layers))
+
+
+def test_bundled_checkpoints_are_not_llada_moe():
+    """A bundled llada_moe checkpoint would have to be rewritten (its config.json written with the list)."""
+    for name in os.listdir(CHECKPOINTS_DIR):
+        path = os.path.join(CHECKPOINTS_DIR, name, "config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                assert json.load(f)["model_type"] not in ("llada", "lladamoe", "llada_moe"), name
+
+
+def _llada_moe_dict(tiny_dirs, **kw):
+    with open(os.path.join(tiny_dirs["llada_moe"], "config.json")) as f:
+        return {**json.load(f), **kw}
+
+
+def test_moe_layer_freq_int_and_list_both_read(tiny_dirs):
+    d = _llada_moe_dict(tiny_dirs)
+    n = d["num_hidden_layers"]
+    a = llada_config_from_dict({**d, "moe_layer_freq": 1})
+    b = llada_config_from_dict({**d, "moe_layer_freq": [1] * n})
+    c = llada_config_from_dict({k: v for k, v in d.items() if k != "moe_layer_freq"})
+    assert llada_config_from_dict({**d, "moe_layer_freq": None}).moe_layers == list(range(n))
+    assert a.moe_layers == b.moe_layers == c.moe_layers == list(range(n))
+
+
+@pytest.mark.parametrize("freq, why", [
+    ("short", "malformed"), ("long", "malformed"), ([2], "malformed"), (["1"], "malformed"), ([True], "malformed"),
+    ([0.5], "malformed"), ("dense", "unsupported"), (2, "unsupported"), (0, "unsupported"), ("1", "unsupported"),
+])
+def test_moe_layer_freq_refused(tiny_dirs, freq, why):
+    d = _llada_moe_dict(tiny_dirs)
+    n = d["num_hidden_layers"]
+    if freq == "short":
+        freq = [1] * (n - 1)
+    elif freq == "long":
+        freq = [1] * (n + 1)
+    elif freq == "dense":
+        freq = [0] + [1] * (n - 1)        # well formed, but dblock implements every layer MoE only
+    elif isinstance(freq, list):
+        freq = freq * n
+    with pytest.raises(ConfigError, match=f"{why} moe_layer_freq"):
+        llada_config_from_dict({**d, "moe_layer_freq": freq}, "x/config.json")

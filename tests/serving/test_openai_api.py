@@ -152,10 +152,11 @@ def test_chat_errors(model, tokenizer, template):
             ({"messages": user, "temperature": -0.5}, "temperature", ">= 0"),
             ({"messages": user, "top_p": 1.5}, "top_p", "(0, 1]"),
             ({"messages": user, "top_k": -2}, "top_k", "top-k"),
-            ({"messages": user, "n": 3}, "n", "n = 1"),
-            ({"messages": user, "stop": "\n"}, "stop", "not supported"),
-            ({"messages": user, "min_tokens": 4}, "min_tokens", "not supported"),
-            ({"messages": user, "ignore_eos": True}, "ignore_eos", "not supported"),
+            ({"messages": user, "n": 0}, "n", ">= 1"),
+            ({"messages": user, "stop": ["x", 3]}, "stop", "list of strings"),
+            ({"messages": user, "min_tokens": -1}, "min_tokens", ">= 0"),
+            ({"messages": user, "ignore_eos": "yes"}, "ignore_eos", "true or false"),
+            ({"messages": user, "temperature": 1e-6}, "temperature", "0 (greedy)"),
             ({"messages": user, "logprobs": True}, "logprobs", "not supported"),
             ({"messages": user, "tools": [{"type": "function"}]}, "tools", "not supported"),
             ({"messages": user, "chat_template": "{{ 1 }}"}, "chat_template", "--chat-template"),
@@ -171,9 +172,9 @@ def test_chat_errors(model, tokenizer, template):
             assert err["type"] == "invalid_request_error"
         r = chat(srv.url, dict(messages=user, model="gpt-4"))
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-        # accepted and ignored today (the sampling change implements them): same tokens as without
+        # the neutral values of the sampling and stop fields, penalties, user and unknown fields: same tokens
         plain = chat(srv.url, dict(messages=user, max_tokens=8)).json()["choices"][0]["token_ids"]
-        r = chat(srv.url, dict(messages=user, max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, min_tokens=0,
+        r = chat(srv.url, dict(messages=user, max_tokens=8, temperature=0, top_p=1, top_k=-1, min_tokens=0,
                                ignore_eos=False, stop=[], n=1, presence_penalty=0.5, user="u", unknown_field=1))
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == plain
         assert engine.snapshot()["failed"] == 0

@@ -108,10 +108,21 @@ def test_chat_completions_plain_and_streamed_give_the_completion_answer(client):
     assert roles == ["assistant"] and "".join(parts) == comp.text
     assert [x for x in reasons if x] == [comp.finish_reason]
     assert usage.prompt_tokens == len(PROMPT) and usage.completion_tokens == r.usage.completion_tokens
-    # sampling fields are accepted (the decoding rule ignores them for now): same answer
-    r2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=0.2, top_p=0.9,
+    # temperature 0 is dblock's greedy default, whatever the filters
+    r2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=0, top_p=0.9,
                                         extra_body={"top_k": 5})
     assert r2.choices[0].message.content == comp.text
+
+
+def test_seeded_sampling_with_n_choices(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0.8, seed=1, n=2)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]          # seeded: repeats
+    one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0.8, seed=2)
+    assert a.choices[1].text == one.choices[0].text                             # choice j has seed + j
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64).choices[0].text
+    assert a.choices[0].text != greedy
 
 
 def test_models_list(client):

@@ -110,8 +110,11 @@ BAD = [
     ({"prompt": [5], "seed": 1.5}, "seed", "seed"),
     ({"prompt": [5], "stream": "yes"}, "stream", "true or false"),
     ({"prompt": [5], "stream_options": {"include_usage": 1}}, "stream_options.include_usage", "true or false"),
-    ({"prompt": [5], "n": 2}, "n", "n = 1"),
-    ({"prompt": [5], "stop": ["\n"]}, "stop", "not supported"),
+    ({"prompt": [5], "n": 0}, "n", ">= 1"),
+    ({"prompt": [5], "n": 17}, "n", "at most 16"),
+    ({"prompt": [5], "stop": [""]}, "stop", "empty"),
+    ({"prompt": [5], "stop": 5}, "stop", "string"),
+    ({"prompt": [5], "stop_token_ids": [-1]}, "stop_token_ids", "negative"),
     ({"prompt": [5], "temperature": "hot"}, "temperature", "number"),
     ({"prompt": [5], "model": 3}, "model", "string"),
 ]

@@ -78,3 +78,30 @@ def test_errors_are_value_errors(capsys):
         run(["simulate", "pass", "--hardware", "tpu"], capsys)
     with pytest.raises(ValueError, match="--slo=-1"):
         run(["simulate", "search", "--slo", "-1"], capsys)
+
+
+def test_predict_command_with_a_profile(tmp_path, capsys):
+    from tests.simulator.test_profile import synthetic_profile
+    path = str(tmp_path / "p.json")
+    synthetic_profile(spread=0.1).save(path)
+    rc, out = run(["simulate", "predict", "--profile", path, "--requests", "8", "--batch-size", "4", "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and [(r["executor"], r["schedule"]) for r in data["rows"]] == [
+        ("reference", "native"), ("reference", "oba"), ("epoch", "native"), ("epoch", "oba")]
+    nat, oba = data["rows"][:2]
+    assert nat["tps_ratio"]["value"] == pytest.approx(1.0) and oba["alpha"] == pytest.approx(0.0, abs=1e-9)
+    lo, hi = oba["TPS"]["interval"]
+    assert lo <= oba["TPS"]["value"] <= hi and oba["parts"]["beta"] == pytest.approx(1.0)
+    rc, out = run(["simulate", "predict", "--profile", path, "--requests", "8", "--rate", "50", "--schedules",
+                   "native", "--executors", "reference"], capsys)
+    assert "P95 ITL" in out and "serving at 50 req/s" in out
+
+
+def test_profile_and_validate_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="--profile"):
+        run(["simulate", "validate", "--profile", str(tmp_path / "missing.json")], capsys)
+    with pytest.raises(ValueError, match="no such file"):
+        run(["simulate", "predict", "--profile", str(tmp_path / "missing.json")], capsys)
+    with pytest.raises(ValueError, match="--executors"):
+        run(["simulate", "profile", "--model", "tiny-masked", "--executors", "epoch", "--out",
+             str(tmp_path / "x.json")], capsys)

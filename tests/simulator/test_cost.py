@@ -127,12 +127,19 @@ def test_epoch_speedup_prediction_at_batch_128():
     assert rows[128]["speedup"] < rows[256]["speedup"] < rows[512]["speedup"]
 
 
-@pytest.mark.xfail(strict=True, reason="known miss (SIMULATOR.md): the model saturates near 1/fresh share "
-                   "(~1.4x) where the paper reports 1.8-1.9x at batch 512 for LLaDA2.0-mini")
+def test_epoch_speedup_prediction_at_batch_256():
+    # the paper: 1.3-1.7x at batch 256; the model's 1.34 sits at the lower edge
+    cal = papers.fig2_calibration()["cal"]
+    (row,) = papers.epoch_batch_trend(cal, (256,))
+    assert 1.3 * 0.95 <= row["speedup"] <= 1.7
+
+
+@pytest.mark.xfail(strict=True, reason="known miss (SIMULATOR.md, 'Epoch at scale'): the model saturates near "
+                   "1/fresh share (~1.4x) where the paper reports 1.7-2.7x at batch 512 for LLaDA2.0-mini")
 def test_epoch_speedup_prediction_at_batch_512():
     cal = papers.fig2_calibration()["cal"]
     (row,) = papers.epoch_batch_trend(cal, (512,))
-    assert row["speedup"] >= 1.8 * 0.9
+    assert row["speedup"] >= 1.7 * 0.9
 
 
 @pytest.mark.xfail(strict=True, reason="known miss (SIMULATOR.md): the memory model does not reach the dense "

@@ -1,0 +1,247 @@
+"""`dblock simulate validate`: predictions against measurements on this machine, held out from what was fitted.
+
+What the predictions may use (the inputs): the operator profile (`dblock simulate profile`: microbenchmarks of
+single operators and of synthetic calls, no decoding run) scaled by the machine's drift since it was measured (its
+anchor microbenchmarks re-timed now, `profiler.drift`), and the *counters* of one Native run of the reference
+executor (per request its prompt length and its blocks' passes and accept passes: `batch.Workload.from_runs`). No
+decoding time of any run is an input. Everything timed below is then held out: other batch sizes, other
+schedules, the Epoch executor, the serving engine at two arrival rates.
+
+Measured: thread-CPU time (`measure.TimedForward`), every configuration `repeats` times interleaved, medians;
+ratios are medians of per-repeat ratios. Serving runs the real engine on a CPU-time clock
+(`measure.serve_cpu_clock`). Predicted: the SimPy model (`batch.simulate_batch` / `simulate_serving`) priced by the
+profile, with an interval from the profile's repeat spread (quartiles).
+
+Rows: T_den (reference at batch 1, 8, 32; Epoch at 8, 32), TPS ratio between schedules (OBA, FlowBlock and
+Native without cache over Native; OBA on Epoch), TPS at batch 32 over batch 1 (batch composition alone), Epoch over
+dense TPS (batch 8, 32), serving throughput and P95 ITL (two rates). Error = (predicted − measured) / measured.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from dblock.simulator import batch, measure
+from dblock.simulator.profile import QUANTILES, Profile, ProfiledCost
+
+
+@dataclass
+class Plan:
+    """What `validate` runs (defaults: the bundled tiny-masked model, about 40 s on 2 busy cores)."""
+
+    model: str = "tiny-masked"
+    task: str = "arith-small"
+    n: int = 32                       # problems per run
+    max_new_tokens: int = 128
+    repeats: int = 3
+    batches: tuple = (1, 8, 32)
+    ratio_batch: int = 8
+    rates: tuple = (10.0, 40.0)       # serving arrival rates, requests per CPU-second
+    serve_requests: int = 64
+    batch_cap: int = 16
+    epoch: bool = True
+    drift: bool = True                # re-time the profile's anchors and scale it by the machine's drift
+    seed: int = 0
+
+
+@dataclass
+class Row:
+    name: str
+    quantity: str
+    unit: str
+    predicted: float
+    lo: float
+    hi: float
+    measured: float
+    spread: float = float("nan")      # measured: (max − min)/median over repeats
+    note: str = ""
+
+    @property
+    def error(self) -> float:
+        return (self.predicted - self.measured) / self.measured if self.measured else float("nan")
+
+    def as_dict(self) -> dict:
+        return dict(name=self.name, quantity=self.quantity, unit=self.unit, predicted=self.predicted,
+                    interval=[self.lo, self.hi], measured=self.measured, error=self.error,
+                    measured_spread=self.spread, note=self.note)
+
+
+@dataclass
+class Report:
+    rows: list
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def median_abs_error(self) -> float:
+        e = [abs(r.error) for r in self.rows if math.isfinite(r.error)]
+        return float(np.median(e)) if e else float("nan")
+
+    def as_dict(self) -> dict:
+        return dict(meta=self.meta, rows=[r.as_dict() for r in self.rows], median_abs_error=self.median_abs_error)
+
+    def table(self) -> str:
+        hdr = (f"{'row':<40} {'quantity':<12} {'predicted':>10} {'interval':>19} {'measured':>10} {'spread':>7} "
+               f"{'error':>8}")
+        lines = [hdr, "-" * len(hdr)]
+        for r in self.rows:
+            scale = 1e3 if r.unit == "ms" else 1.0
+            fmt = "{:.3f}" if r.unit in ("", "x") else "{:.2f}"
+            iv = f"{fmt.format(r.lo * scale)}..{fmt.format(r.hi * scale)}"
+            lines.append(f"{r.name:<40} {r.quantity:<12} {fmt.format(r.predicted * scale):>10} {iv:>19} "
+                         f"{fmt.format(r.measured * scale):>10} "
+                         + (f"{100 * r.spread:>6.0f}%" if math.isfinite(r.spread) else f"{'-':>7}")
+                         + f" {100 * r.error:>+7.1f}%"
+                         + (f"  [{r.note}]" if r.note else ""))
+        lines.append(f"median |error| over {len(self.rows)} rows: {100 * self.median_abs_error:.1f}% (spread: the "
+                     "measurement's own (max − min)/median over its repeats)")
+        return "\n".join(lines)
+
+
+def _spread(v: Sequence[float]) -> float:
+    v = [x for x in v if x is not None and math.isfinite(x)]
+    return (max(v) - min(v)) / float(np.median(v)) if len(v) > 1 and np.median(v) else float("nan")
+
+
+def _interval(vals: dict) -> tuple:
+    lo, mid, hi = (vals[q] for q in QUANTILES)
+    return mid, min(lo, mid, hi), max(lo, mid, hi)
+
+
+def poisson_arrivals(rate: float, n: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
+
+
+def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[str], object]] = None,
+        timer: Callable[[], float] = time.thread_time, progress: Optional[Callable[[str], None]] = None) -> Report:
+    """Measure and predict every row of `plan`. `forward(executor)` makes an executor ("reference" or "epoch")
+    for `model` (default: the real ones); tests pass synthetic executors and a fake `timer`."""
+    import dblock
+    from dblock.config import DecodeConfig
+    from dblock.tasks import get_task
+    from dblock.tasks.evaluate import TokenizerAdapter
+
+    say = progress or (lambda s: None)
+    t_start = time.perf_counter()
+    forward_given = forward is not None
+    m = model if model is not None else dblock.load(plan.model)
+    if m.config.family != "llada2_moe":
+        raise ValueError(f"validate: {m.config.family} is not covered by the operator profile (llada2_moe is)")
+    if forward is None:
+        from dblock.decoding.generate import reference_forward
+
+        def forward(ex):
+            if ex == "reference":
+                return reference_forward(m)
+            from dblock.optimized.executor import epoch_forward
+            return epoch_forward(m, "epoch")
+    tok = TokenizerAdapter.from_folder(m.source)
+    prompts = [tok.encode(e.prompt) for e in get_task(plan.task).examples("test", plan.n)]
+    C = m.config.block_size
+    dec = DecodeConfig(max_new_tokens=plan.max_new_tokens, seed=plan.seed)
+    dec_nc = DecodeConfig(max_new_tokens=plan.max_new_tokens, seed=plan.seed, no_cache=True)
+    fw = {"reference": forward("reference")}
+    if plan.epoch:
+        fw["epoch"] = forward("epoch")
+
+    # ---- inputs: the counters of one Native run (its times are not used) ---------------------------------
+    say("calibration run (counters only)")
+    nat = measure.decode_run(fw["reference"], prompts, dec, "native", batch_size=plan.ratio_batch, timer=timer)
+    wl = batch.Workload.from_runs(nat["prompt_lens"], plan.max_new_tokens, nat["blocks"], C)
+    drifts: list = []
+
+    def sample_drift():
+        # the machine's speed against at profiling, re-timed before every round of measurements: a shared
+        # machine's speed moves by ±20% within minutes, in CPU time too (profiler.drift)
+        if plan.drift and not forward_given:
+            from dblock.simulator.profiler import drift as measure_drift
+            drifts.append(measure_drift(profile, m, timer=timer)["factor"])
+    cost: dict = {}
+
+    def sim(ex, sched, bs):
+        return {q: batch.simulate_batch(wl, sched, cost[ex].with_q(q), bs) for q in QUANTILES}
+
+    # ---- measurements, interleaved ---------------------------------------------------------------------------
+    B = plan.ratio_batch
+    jobs = {}
+    for bs in plan.batches:
+        jobs[("reference", "native", bs)] = (lambda bs=bs: measure.decode_run(fw["reference"], prompts, dec, "native",
+                                                                             bs, timer=timer))
+    jobs[("reference", "oba", B)] = lambda: measure.decode_run(fw["reference"], prompts, dec, "oba", B, timer=timer)
+    jobs[("reference", "flowblock", B)] = lambda: measure.decode_run(fw["reference"], prompts, dec, "flowblock", B,
+                                                                      timer=timer)
+    jobs[("reference", "native_nocache", B)] = lambda: measure.decode_run(fw["reference"], prompts, dec_nc, "native",
+                                                                           B, timer=timer)
+    if plan.epoch:
+        for bs in sorted({B, max(plan.batches)}):
+            jobs[("epoch", "native", bs)] = (lambda bs=bs: measure.decode_run(fw["epoch"], prompts, dec, "native", bs,
+                                                                             timer=timer))
+        jobs[("epoch", "oba", B)] = lambda: measure.decode_run(fw["epoch"], prompts, dec, "oba", B, timer=timer)
+    say(f"{len(jobs)} decoding configurations x {plan.repeats} repeats")
+    runs = measure.repeated(jobs, plan.repeats, between=sample_drift)
+    serve_recs = {}
+    for rate in plan.rates:
+        arr = poisson_arrivals(rate, plan.serve_requests, plan.seed + int(rate))
+        say(f"serving at {rate:g} req/CPU-s")
+        recs = []
+        for _ in range(max(1, plan.repeats - 1)):
+            sample_drift()
+            recs.append(measure.serve_cpu_clock(fw["reference"], prompts, arr, dec, "native", plan.batch_cap,
+                                                timer=timer))
+        serve_recs[rate] = (arr, recs)
+    factor = float(np.median(drifts)) if drifts else 1.0
+    drift = dict(factor=factor, samples=drifts, note="median over the rounds of (anchor time now / at profiling)"
+                 if drifts else "not measured")
+    cost.update({ex: ProfiledCost(profile, ex, scale=factor) for ex in fw})
+    meas = {k: measure.median_run(v) for k, v in runs.items()}
+    rows: list = []
+
+    # T_den
+    for ex, bs in [("reference", b) for b in plan.batches] + ([("epoch", b) for b in sorted({B, max(plan.batches)})]
+                                                              if plan.epoch else []):
+        p = sim(ex, "native", bs)
+        mid, lo, hi = _interval({q: p[q].t_den for q in QUANTILES})
+        rows.append(Row(f"{ex} native, batch {bs}", "T_den", "ms", mid, lo, hi, meas[(ex, "native", bs)]["den_s"]
+                        / meas[(ex, "native", bs)]["den_calls"],
+                        _spread([r["den_s"] for r in runs[(ex, "native", bs)]])))
+
+    def ratio_row(name, a, b, quantity="TPS ratio", note=""):
+        pa, pb = sim(*a), sim(*b)
+        mid, lo, hi = _interval({q: pa[q].tps / pb[q].tps for q in QUANTILES})
+        rs = measure.paired_ratios(runs[a], runs[b])
+        rows.append(Row(name, quantity, "x", mid, lo, hi, float(np.median(rs)), _spread(rs), note))
+
+    ratio_row(f"reference OBA / Native, batch {B}", ("reference", "oba", B), ("reference", "native", B),
+              note="masked: α = 0 by construction")
+    ratio_row(f"reference FlowBlock / Native, batch {B}", ("reference", "flowblock", B), ("reference", "native", B))
+    ratio_row(f"reference no-cache / cache, batch {B}", ("reference", "native_nocache", B),
+              ("reference", "native", B))
+    if plan.epoch:
+        ratio_row(f"epoch OBA / Native, batch {B}", ("epoch", "oba", B), ("epoch", "native", B))
+    hi_b, lo_b = max(plan.batches), min(plan.batches)
+    ratio_row(f"reference batch {hi_b} / batch {lo_b}", ("reference", "native", hi_b), ("reference", "native", lo_b),
+              quantity="TPS ratio", note="batch composition alone")
+    if plan.epoch:
+        for bs in sorted({B, max(plan.batches)}):
+            ratio_row(f"epoch / dense, batch {bs}", ("epoch", "native", bs), ("reference", "native", bs),
+                      quantity="TPS ratio", note="executors, same requests")
+
+    # ---- serving -------------------------------------------------------------------------------------------------
+    for rate in plan.rates:
+        arr, recs = serve_recs[rate]
+        sums = [batch.serving_summary(r) for r in recs]
+        pred = {q: batch.serving_summary(batch.records_of(batch.simulate_serving(
+            wl, "native", cost["reference"].with_q(q), arr, plan.batch_cap))) for q in QUANTILES}
+        for key, label, unit in (("throughput", "throughput", "tok/s"), ("itl_p95", "P95 ITL", "ms")):
+            mid, lo, hi = _interval({q: pred[q][key] for q in QUANTILES})
+            vals = [s[key] for s in sums]
+            rows.append(Row(f"serving reference, {rate:g} req/s", label, unit, mid, lo, hi, float(np.median(vals)),
+                            _spread(vals), f"batch cap {plan.batch_cap}, {plan.serve_requests} requests"))
+    meta = dict(model=plan.model, task=plan.task, n=plan.n, repeats=plan.repeats, profile=profile.meta, drift=drift,
+                inputs="operator profile + counters of one Native reference run (no decoding times)",
+                timer="thread CPU time", seconds=time.perf_counter() - t_start)
+    return Report(rows, meta)

@@ -1,0 +1,47 @@
+"""The demo's prediction beside its measurement (dblock/demo.py): never null, its inputs named, and a verdict that
+follows the measured noise band — the sign of measured − 1 whenever the band is on one side of 1."""
+from types import SimpleNamespace
+
+import pytest
+
+from dblock import demo
+
+
+def run(Y, K, F, den_s, den_base_s=None, calls=(4, 4, 2)):
+    return dict(Y=Y, K=K, F=F, Q=F + K, R=4, den_s=den_s, den_base_s=den_base_s, requests_per_call=list(calls),
+                den_calls=len(calls))
+
+
+def row(schedule, runs, band_of):
+    from dblock.simulator import measure
+    base = runs[0]
+    ratios = measure.paired_ratios([dict(r, TPS=r["Y"] / r["den_s"]) for r in runs],
+                                   [dict(b, TPS=b["Y"] / b["den_s"]) for b in band_of])
+    mid, lo, hi = measure.noise_band(ratios)
+    return dict(model="m", family="diffusion_gemma", executor="reference", schedule=schedule, sim_schedule=schedule,
+                R=4, Y=base["Y"], K=base["K"], F=base["F"], den_s=base["den_s"], den_base_s=base["den_base_s"],
+                measured_tps_ratio=mid, measured_band=[lo, hi], _runs=runs)
+
+
+@pytest.mark.parametrize("slow", [0.7, 1.0, 1.6])
+def test_prediction_is_never_null_and_the_verdict_follows_the_band(slow):
+    nat = [run(100, 10, 60, 1.0 + 0.01 * i) for i in range(3)]
+    # OBA on a uniform-state model: fewer passes, a wider pass timed beside on the same rows
+    oba = [run(100, 10, 45, slow * (0.9 + 0.01 * i), den_base_s=slow * (0.9 + 0.01 * i) / 1.3, calls=(4, 2))
+           for i in range(3)]
+    rows = [row("native", nat, nat), row("oba", oba, nat)]
+    model = SimpleNamespace(config=SimpleNamespace(family="diffusion_gemma", block_size=16))
+    demo._predict("m", model, rows, None, True)
+    base, x = rows
+    assert base["verdict"] == "baseline" and base["predicted_tps_ratio"] == 1.0
+    assert x["predicted_tps_ratio"] is not None and "δ" in x["prediction_note"]
+    assert x["prediction_inputs"]["alpha"]["source"].startswith("measured")
+    assert x["prediction_inputs"]["r"]["source"].startswith("measured")
+    # with every input measured the identity reproduces the measurement
+    assert x["predicted_tps_ratio"] == pytest.approx(x["measured_tps_ratio"], rel=1e-9)
+    lo, hi = x["measured_band"]
+    if x["verdict"] != "within noise":
+        assert (x["verdict"] == "pays") == (x["measured_tps_ratio"] > 1) and not lo <= 1 <= hi
+    else:
+        assert lo <= 1 <= hi
+    assert x["prediction_agrees"]

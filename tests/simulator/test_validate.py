@@ -1,0 +1,61 @@
+"""`simulate validate` end to end with synthetic executors whose cost is a known function of the call's shape (a
+fake clock that only the executor calls advance): the measurement then equals that function, the prediction prices
+the same function, and every reference row must come out with ≈ 0 error. No timing is asserted."""
+import pytest
+
+from dblock.simulator import measure, validate
+from dblock.simulator.profile import ProfiledCost
+from tests.simulator.test_profile import synthetic_profile
+
+
+@pytest.fixture(scope="module")
+def report():
+    import dblock
+    from dblock.decoding.generate import reference_forward
+    from dblock.optimized.executor import epoch_forward
+    m = dblock.load("tiny-masked")
+    prof = synthetic_profile()
+    clock = measure.FakeClock()
+
+    def forward(ex):
+        real = reference_forward(m) if ex == "reference" else epoch_forward(m, "epoch")
+        return measure.SyntheticForward(real, ProfiledCost(prof, ex).call, clock)
+    plan = validate.Plan(n=6, repeats=1, batches=(1, 3), ratio_batch=3, rates=(20.0, 200.0), serve_requests=10,
+                         batch_cap=4, epoch=True)
+    return validate.run(plan, prof, model=m, forward=forward, timer=clock)
+
+
+def test_reference_rows_are_exact_with_a_known_cost(report):
+    rows = [r for r in report.rows if not r.name.startswith("epoch")]
+    assert len(report.rows) >= 12
+    for r in rows:
+        assert r.error == pytest.approx(0.0, abs=1e-9), (r.name, r.quantity, r.predicted, r.measured)
+    assert {r.quantity for r in report.rows} >= {"T_den", "TPS ratio", "throughput", "P95 ITL"}
+
+
+def test_epoch_rows_follow_the_fresh_rows(report):
+    # the Epoch executor's own fresh rows (plans, fallbacks) against the model's liveness replay: close, not exact
+    for r in report.rows:
+        if r.name.startswith("epoch"):
+            assert abs(r.error) < 0.1, (r.name, r.error)
+
+
+def test_report_shapes(report):
+    d = report.as_dict()
+    assert d["median_abs_error"] < 0.05 and len(d["rows"]) == len(report.rows)
+    assert "counters of one Native" in d["meta"]["inputs"]
+    text = report.table()
+    assert "median |error|" in text and "T_den" in text
+
+
+def test_noise_band_and_verdict():
+    # the demo's verdict: one side of 1 only when the whole band is
+    assert measure.verdict(*measure.noise_band([1.10, 1.12, 1.08])[1:]) == "pays"
+    assert measure.verdict(*measure.noise_band([0.8, 0.85, 0.9])[1:]) == "does not pay"
+    assert measure.verdict(*measure.noise_band([0.97, 1.04, 1.01])[1:]) == "within noise"
+    for ratios in ([1.02, 1.5, 1.3], [0.5, 0.99, 0.7], [0.995, 1.0, 1.004], [1.2], [0.9]):
+        med, lo, hi = measure.noise_band(ratios)
+        v = measure.verdict(lo, hi)
+        assert lo <= med <= hi
+        if v != "within noise":                       # outside the band the verdict is the sign of measured − 1
+            assert (v == "pays") == (med > 1)
