@@ -28,7 +28,7 @@ relative to Native.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from dblock.config import DecodeConfig
 from dblock.decoding.generate import generate

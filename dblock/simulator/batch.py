@@ -289,7 +289,7 @@ class _Engine:
 
     def iteration(self, running: list) -> float:
         """Price one iteration over `running` (_Run) and return its seconds (appends, denoising, host work)."""
-        C, cost, log = self.C, self.cost, self.log
+        cost, log = self.cost, self.log
         t = 0.0
         app = [r for r in running if r.pending]
         if app:

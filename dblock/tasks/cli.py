@@ -22,7 +22,8 @@ MAX_TASK_LEN = 64
 # `train-tiny` defaults: `dblock.tasks.train.TrainConfig`'s, spelled out here so that building the parser imports no
 # torch (tests/cli/test_fast_help.py checks they match).
 TRAIN_DEFAULTS = dict(seed=0, size="base", block_size=16, batch_size=32, lr=2e-3, warmup=100, bias_update=1e-3,
-                      save_every=200, threads=1)
+                      save_every=200, threads=1, min_lr_frac=0.05, curriculum_steps=0, curriculum_start=2,
+                      noisy_context=0.0, eval_every=0, eval_n=64)
 LLADA2_SIZE_NAMES = ("base", "micro", "small")   # sorted(dblock.tasks.train.LLADA2_SIZES)
 
 
@@ -41,11 +42,15 @@ _seeds = seeds_arg     # comma-separated seeds, each in [0, 2**63-1]
 
 def add_task_args(p, default="arith"):
     p.add_argument("--task", default=default,
-                   help="task name: arith, arith-add, arith-rev, arith-small, or a mix 'arith:add=W,rev=W'"
+                   help="task name: arith, arith-add, arith-rev, arith-small, arith-long (long additions with "
+                        "carries, short division, reversal), or a mix 'arith:add=W,rev=W' / "
+                        "'arith-long:add=W,div=W,rev=W'"
                         + (" (default: the task in the model's card.json, else arith)" if default is None else
                            f" (default {default})"))
     p.add_argument("--add-digits", type=_pair, default=None, help="add operand lengths MIN,MAX (default: the task's)")
     p.add_argument("--rev-len", type=_pair, default=None, help="rev string lengths MIN,MAX (default: the task's)")
+    p.add_argument("--div-digits", type=_pair, default=None,
+                   help="arith-long: dividend lengths MIN,MAX of the div kind (default: the task's)")
 
 
 def task_from_name(name: str, **kw):
@@ -72,6 +77,8 @@ def make_task_from_args(args):
         kw["add_digits"] = args.add_digits
     if args.rev_len:
         kw["rev_len"] = args.rev_len
+    if getattr(args, "div_digits", None):
+        kw["div_digits"] = args.div_digits
     return task_from_name(args.task, **kw)
 
 
@@ -111,6 +118,20 @@ def add_parser(subparsers):
     t.add_argument("--threads", type=int_arg(1, 1024), default=d.threads,
                    help=f"torch CPU threads (default {d.threads})")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--min-lr-frac", type=float_arg(0.0, 1.0), default=d.min_lr_frac,
+                   help=f"cosine schedule ends at lr x this (default {d.min_lr_frac})")
+    t.add_argument("--curriculum-steps", type=int_arg(0, 10_000_000), default=d.curriculum_steps,
+                   help="over this many first steps the task's size maximum grows from --curriculum-start "
+                        f"(default {d.curriculum_steps}: the full task from step 0)")
+    t.add_argument("--curriculum-start", type=int_arg(1, 64), default=d.curriculum_start,
+                   help=f"size maximum at step 0 of the curriculum (default {d.curriculum_start})")
+    t.add_argument("--noisy-context", type=float_arg(0.0, 1.0), default=d.noisy_context,
+                   help="probability per example that a block is trained behind a still-noisy predecessor (One "
+                        f"Block Ahead's warm-up block; default {d.noisy_context})")
+    t.add_argument("--eval-every", type=int_arg(0, 10_000_000), default=d.eval_every,
+                   help=f"held-out accuracy every N steps, stored in the summary (default {d.eval_every}: off)")
+    t.add_argument("--eval-n", type=int_arg(1, 100_000), default=d.eval_n,
+                   help=f"test problems per in-training evaluation (default {d.eval_n})")
     t.add_argument("--json", action="store_true", help="print the run summary as JSON")
     t.set_defaults(_run=_train)
 
@@ -155,7 +176,10 @@ def _train(args) -> int:
                       add_digits=args.add_digits, rev_len=args.rev_len, block_size=args.block_size, seed=args.seed,
                       steps=args.steps, minutes=args.minutes if args.steps is None else None,
                       batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, bias_update=args.bias_update,
-                      save_every=args.save_every, threads=args.threads, progress=not args.no_progress)
+                      save_every=args.save_every, threads=args.threads, progress=not args.no_progress,
+                      div_digits=args.div_digits, min_lr_frac=args.min_lr_frac,
+                      curriculum_steps=args.curriculum_steps, curriculum_start=args.curriculum_start,
+                      noisy_context=args.noisy_context, eval_every=args.eval_every, eval_n=args.eval_n)
     summary = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(summary, indent=1))

@@ -43,7 +43,6 @@ def test_few_steps_reduce_the_loss(tmp_path, family):
     model = build_model(cfg)
     model.load_state_dict(_state(cfg.out)["model"])
     after = _fixed_loss(model.eval(), cfg)
-    print(family, before, after)
     assert after < 0.75 * before, (before, after)
 
 
