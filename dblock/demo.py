@@ -90,10 +90,18 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
     from dblock.tasks import answer_text, get_task
     from dblock.tasks.evaluate import TokenizerAdapter
 
+    from tqdm import tqdm
+
     t0 = time.perf_counter()
     task = get_task("arith-small")   # what the bundled models are trained on (see their card.json)
     rows = []
-    for name in [m for m in dict.fromkeys(p[0] for p in PLAN) if m in bundled]:
+    names = [m for m in dict.fromkeys(p[0] for p in PLAN) if m in bundled]
+    # one step per decoding run; on stderr, shown on a terminal (or with DBLOCK_PROGRESS=1), never in --json output
+    show = os.environ.get("DBLOCK_PROGRESS") == "1" or (sys.stderr.isatty() and os.environ.get("DBLOCK_PROGRESS") != "0")
+    bar = tqdm(total=repeats * sum(p[0] in names for p in PLAN), desc="demo", unit="run", file=sys.stderr,
+               disable=not show, leave=False)
+    for name in names:
+        bar.set_postfix_str(name)
         model = dblock.load(name)
         family = model.config.family
         tok = TokenizerAdapter.from_folder(model.source)
@@ -116,7 +124,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
             jobs[key] = (lambda f=fwds[executor], d=dec, s=schedule, sh=shadow:
                          measure.decode_run(f, prompts, d, s, None, shadow=sh, seeds=[0] * k))
             specs[key] = (executor, econf, schedule, extra)
-        runs = measure.repeated(jobs, repeats)
+        runs = measure.repeated(jobs, repeats, progress=bar)
         base_key = ("reference", "native")
         for key, rs in runs.items():
             executor, econf, schedule, extra = specs[key]
@@ -134,6 +142,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
                          "_run": med, "_runs": rs})
         _predict(name, model, rows, profile, as_json)
         del model, fwds
+    bar.close()
     for x in rows:
         for k in ("_run", "_runs", "sim_schedule"):
             x.pop(k, None)

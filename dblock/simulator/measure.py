@@ -209,16 +209,19 @@ def decode_run(fwd: Forward, prompts: Sequence, dec, schedule: str = "native", b
     return out
 
 
-def repeated(jobs: dict, repeats: int, between: Optional[Callable[[], object]] = None) -> dict:
+def repeated(jobs: dict, repeats: int, between: Optional[Callable[[], object]] = None, progress=None) -> dict:
     """Run every job (name -> zero-argument callable returning a `decode_run` dict) `repeats` times, interleaved
     (job 1, job 2, ..., job 1, job 2, ...) so slow drift of the machine hits every job alike: {name: [runs]}.
-    `between()` runs before every round (e.g. re-timing the profile's drift anchors)."""
+    `between()` runs before every round (e.g. re-timing the profile's drift anchors); `progress`, a tqdm bar (or
+    None), advances once per run."""
     out = {k: [] for k in jobs}
     for _ in range(repeats):
         if between is not None:
             between()
         for k, fn in jobs.items():
             out[k].append(fn())
+            if progress is not None:
+                progress.update(1)
     return out
 
 

@@ -59,3 +59,19 @@ def test_noise_band_and_verdict():
         assert lo <= med <= hi
         if v != "within noise":                       # outside the band the verdict is the sign of measured − 1
             assert (v == "pays") == (med > 1)
+
+
+def test_repeated_interleaves_and_advances_the_progress_bar():
+    """`measure.repeated` (the demo's and validate's loop): job order interleaved per round, one bar step per run."""
+    order = []
+
+    class Bar:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+
+    bar = Bar()
+    out = measure.repeated({"a": lambda: order.append("a") or 1, "b": lambda: order.append("b") or 2}, 3,
+                           progress=bar)
+    assert order == ["a", "b"] * 3 and out == {"a": [1, 1, 1], "b": [2, 2, 2]} and bar.n == 6
