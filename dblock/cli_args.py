@@ -534,25 +534,15 @@ def model_config(args):
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, block: int, family: str) -> int:
-    """Positions a request may ever occupy: prompt + generation budget on its block grid (the serving engine's
-    `footprint`, dblock/serving/engine.py). llada2_moe blocks lie on the absolute grid (the prompt's tail shares the
-    first one); the other families put whole blocks after the prompt."""
-    if family == "llada2_moe":
-        return -(-(prompt_len + max_new_tokens) // block) * block
-    return prompt_len + -(-max_new_tokens // block) * block
+    """Positions a request may ever occupy (`dblock.config.footprint`, the serving engine's admission rule)."""
+    from dblock.config import footprint
+    return footprint(prompt_len, max_new_tokens, block, family)
 
 
 def control_ids(cfg) -> set:
-    """The model's control token ids (mask, EOS, pad, BOS) from its config."""
-    out = set()
-    for key in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            out.add(v)
-    for v in getattr(cfg, "eos_token_ids", None) or ():
-        if isinstance(v, int):
-            out.add(v)
-    return out
+    """The model's control token ids (`dblock.tasks.tokenizer.control_ids`)."""
+    from dblock.tasks.tokenizer import control_ids as ids
+    return ids(cfg)
 
 
 def check_fits(cfg, dec, spec, prompts) -> None:

@@ -457,3 +457,12 @@ class DecodeConfig:
 
     def replace(self, **kw) -> "DecodeConfig":
         return dataclasses.replace(self, **kw)
+
+
+def footprint(prompt_len: int, max_new_tokens: int, block: int, family: str) -> int:
+    """Positions a request may ever occupy: prompt + generation budget on its block grid. llada2_moe blocks lie on
+    the absolute grid (the prompt's tail shares the first one); the other families put whole blocks after the
+    prompt. Used by the serving engine's admission and by the CLI's bounds alike."""
+    if family == "llada2_moe":
+        return -(-(prompt_len + max_new_tokens) // block) * block
+    return prompt_len + -(-max_new_tokens // block) * block

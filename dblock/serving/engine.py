@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -46,7 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.config import DecodeConfig, footprint
 from dblock.errors import ConfigError
 from dblock.forward import Forward
 from dblock.decoding.params import SamplingParams
@@ -82,13 +81,6 @@ class EngineConfig:
             if not isinstance(v, int) or v < (0 if name == "max_queue" else 1):
                 raise ValueError(f"{name}={v!r}: must be an integer >= {0 if name == 'max_queue' else 1}")
         return self
-
-
-def footprint(prompt_len: int, max_new_tokens: int, block: int, family: str) -> int:
-    """KV/sequence positions a request may ever occupy: prompt + generation budget on its block grid."""
-    if family == "llada2_moe":              # blocks on the absolute grid; the prompt tail shares the first one
-        return math.ceil((prompt_len + max_new_tokens) / block) * block
-    return prompt_len + math.ceil(max_new_tokens / block) * block
 
 
 @dataclass

@@ -82,6 +82,7 @@ from dblock.serving.chat import ChatTemplate, ChatTemplateError, find_special_te
 from dblock.errors import ConfigError
 from dblock.serving.engine import Engine, Rejected
 from dblock.serving.metrics import CONTENT_TYPE, Metrics
+from dblock.tasks.tokenizer import control_ids as tokenizer_control_ids
 from dblock.serving.protocol import (APIError, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                                      ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessageOut,
                                      CompletionChoice, CompletionResponse, DeltaMessage, DetokenizeRequest,
@@ -182,16 +183,6 @@ async def _read_body(request, limit: int, timeout: float = REQUEST_TIMEOUT) -> b
     return b"".join(chunks)
 
 
-def _control_ids(cfg) -> set:
-    """The model's control token ids (mask, EOS, pad, BOS) from its config."""
-    out = set()
-    for key in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            out.add(v)
-    return out
-
-
 def _special_spellings(tokenizer) -> list:
     """The text of the tokenizer's special added tokens (what `tokenizers` turns into control tokens)."""
     try:
@@ -216,7 +207,7 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
         chat_template = ChatTemplate(chat_template, origin="chat_template")
     created = int(time.time())
     max_model_len = int(getattr(engine, "max_positions", 0) or 0)
-    control_ids = _control_ids(getattr(engine, "cfg", None))
+    control_ids = tokenizer_control_ids(getattr(engine, "cfg", None))
     special_re = special_text_pattern(_special_spellings(tokenizer)) if tokenizer is not None else None
 
     async def read_body(request):

@@ -124,6 +124,20 @@ class CharTokenizer:
         return cls(vocab)
 
 
+def control_ids(cfg) -> set:
+    """The model's control token ids (mask, EOS — every one of a multi-EOS model —, pad, BOS) from its config: the ids
+    a text prompt must never produce without opting in (`encode_prompt`'s `control_ids`)."""
+    out = set()
+    for key in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            out.add(v)
+    for v in getattr(cfg, "eos_token_ids", None) or ():
+        if isinstance(v, int) and not isinstance(v, bool):
+            out.add(v)
+    return out
+
+
 def read_tokenizer(path: str):
     """A `tokenizers.Tokenizer` from a tokenizer.json; a file that does not parse is a `ConfigError` naming it."""
     from tokenizers import Tokenizer
