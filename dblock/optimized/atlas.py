@@ -110,40 +110,75 @@ class SupportResult:
     rounds: int
 
 
-def build_support(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, E: int, p: AtlasParams) -> SupportResult:
-    """docs/algorithms.md §4.2 greedy construction over one block's candidate graph (W, I: (N, J); R: (N,)).
+def _top(x_PE: torch.Tensor, k: int):
+    """(values, indices) of the k largest entries of each row, ties to the lower expert id (a stable sort: the
+    same support on every machine and for every batch)."""
+    v, i = torch.sort(x_PE, dim=1, descending=True, stable=True)
+    return v[:, :k], i[:, :k]
 
-    The row-by-expert mass is scattered once (a row's J candidates are distinct experts), and each repair round is a
-    handful of (N, E) operations: G_e and H_e for every expert at once, one host read per round."""
-    N = W.shape[0]
+
+def build_support(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, E: int, p: AtlasParams) -> SupportResult:
+    """docs/algorithms.md §4.2 greedy construction over one block's candidate graph (W, I: (N, J); R: (N,)):
+    `build_supports` with a single block."""
+    return build_supports(W, I, R, [W.shape[0]], E, p)[0]
+
+
+def build_supports(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, lens, E: int, p: AtlasParams) -> list:
+    """docs/algorithms.md §4.2 greedy construction for several blocks at once -> one SupportResult per block.
+
+    W, I: (G, J) and R: (G,) are the blocks' candidate rows concatenated, `lens` the blocks' row counts in order.
+    Each block's result is the one it gets alone: every quantity is per row or summed over its own block's rows
+    (`index_add_` by block), and a block stops changing once it succeeds or fails. The row-by-expert mass is scattered
+    once (a row's J candidates are distinct experts); each repair round is a handful of (G, E) operations for all
+    blocks still repairing -- G_e and H_e for every block and expert at once -- and one host read. Ties (in the
+    initial popularity and in a round's scores) go to the lower expert id."""
+    lens = [int(n) for n in lens]
+    P = len(lens)
     W, I, R = W.double().cpu(), I.cpu(), R.double().cpu()     # the planner runs on the host (block clock)
-    target = p.alpha * R                                             # r_t
-    mass_TE = torch.zeros(N, E, dtype=torch.float64).scatter_add_(1, I, W)   # Σ_j W[t,j] 1[I[t,j]=e]
-    popularity = mass_TE.sum(0)                                      # p_e
-    S = torch.zeros(E, dtype=torch.bool)
-    S[popularity.topk(min(p.B, E)).indices] = True
-    allowed_under = (1.0 - p.q) * N
+    seg_G = torch.repeat_interleave(torch.arange(P), torch.tensor(lens, dtype=torch.long))
+    target_G = p.alpha * R                                          # r_t
+    mass_GE = torch.zeros(W.shape[0], E, dtype=torch.float64).scatter_add_(1, I, W)   # Σ_j W[t,j] 1[I[t,j]=e]
+    popularity_PE = torch.zeros(P, E, dtype=torch.float64).index_add_(0, seg_G, mass_GE)   # p_e per block
+    S_PE = torch.zeros(P, E, dtype=torch.bool)
+    S_PE.scatter_(1, _top(popularity_PE, min(p.B, E))[1], True)
+    allowed_under = [(1.0 - p.q) * n + 1e-9 for n in lens]
+    results: list = [None] * P
     rounds = 0
     while True:
-        cover = mass_TE @ S.double()                                 # C_t
-        U = cover < target - 1e-12
-        n_under = int(U.sum())
-        if n_under <= allowed_under + 1e-9:
-            return SupportResult(S, True, n_under, rounds)
-        if p.c <= 0:                                                 # no repair allowed: fail closed
-            return SupportResult(S, False, n_under, rounds)
-        mU, gap = mass_TE[U], (target - cover)[U].clamp(min=0)      # r_t - C_t on U
-        # G_e = Σ_{t∈U} min(mass[t,e], gap_t) (one candidate per (t, e); no edge: mass 0 adds 0);
+        cover_G = (mass_GE * S_PE[seg_G]).sum(1)                       # C_t
+        U_G = cover_G < target_G - 1e-12
+        n_under = torch.zeros(P, dtype=torch.long).index_add_(0, seg_G, U_G.long()).tolist()
+        repair = []
+        for b in range(P):
+            if results[b] is not None:
+                continue
+            if n_under[b] <= allowed_under[b]:
+                results[b] = SupportResult(S_PE[b].clone(), True, n_under[b], rounds)
+            elif p.c <= 0:                                            # no repair allowed: fail closed
+                results[b] = SupportResult(S_PE[b].clone(), False, n_under[b], rounds)
+            else:
+                repair.append(b)
+        if not repair:
+            return results
+        rep_P = torch.zeros(P, dtype=torch.bool)
+        rep_P[repair] = True
+        U_G &= rep_P[seg_G]                                            # under-covered rows of repairing blocks
+        mU_GE = mass_GE * U_G[:, None]
+        gap_G = (target_G - cover_G).clamp(min=0)                      # r_t - C_t
+        # G_e = Σ_{t∈U} min(mass[t,e], gap_t) (one candidate per (t, e); no edge or t ∉ U: mass 0 adds 0);
         # H_e = Σ_{t∈U} 1[C_t + mass[t,e] >= r_t] over edges to e (mass > 0)
-        G = torch.minimum(mU, gap[:, None]).sum(0)
-        H = ((cover[U][:, None] + mU >= target[U][:, None] - 1e-12) & (mU > 0)).sum(0).double()
-        score = (H + p.beta * G).masked_fill(S, NEG)
-        score = score.masked_fill(score <= 0, NEG)
-        top_v, top_i = score.topk(min(p.c, E))
-        add = top_i[torch.isfinite(top_v)]
-        if add.numel() == 0:                                         # no expert can help: fail closed
-            return SupportResult(S, False, n_under, rounds)
-        S[add] = True
+        G_PE = torch.zeros(P, E, dtype=torch.float64).index_add_(0, seg_G, torch.minimum(mU_GE, gap_G[:, None]))
+        hit_GE = (cover_G[:, None] + mU_GE >= target_G[:, None] - 1e-12) & (mU_GE > 0)
+        H_PE = torch.zeros(P, E, dtype=torch.float64).index_add_(0, seg_G, hit_GE.double())
+        score_PE = (H_PE + p.beta * G_PE).masked_fill(S_PE, NEG)
+        score_PE = score_PE.masked_fill(score_PE <= 0, NEG)
+        top_v, top_i = _top(score_PE, min(p.c, E))
+        ok_PC = torch.isfinite(top_v) & rep_P[:, None]
+        helps = ok_PC.any(1).tolist()
+        for b in repair:
+            if not helps[b]:                                          # no expert can help: fail closed
+                results[b] = SupportResult(S_PE[b].clone(), False, n_under[b], rounds)
+        S_PE |= torch.zeros_like(S_PE).scatter_(1, top_i, ok_PC)
         rounds += 1
 
 

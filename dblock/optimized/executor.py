@@ -30,7 +30,7 @@ The MoE region of one layer (`EpochExecutor._moe`) is a pipeline of named steps 
   supports        `_supports_due`, `_build_supports`   Expert Atlas (re)builds S_l for the blocks that are due
                                      (docs/algorithms.md §4.2)
   compact         `_compact`         the fresh rows of the whole batch into one (F, H) buffer
-  router          `_router_logits`   router logits of the fresh rows (of every row when a support is built)
+  router          `_router_logits`   router logits of the fresh rows (a building block's other rows: in `_build_supports`)
   path counters   `_count_paths`
   route           `_route`           the model's rule restricted to each row's `_routing_support`
   experts         `_run_experts`     FreshLane (docs/algorithms.md §4.4): the dispatcher hands the rows to the
@@ -71,7 +71,7 @@ from typing import Any, Optional
 import torch
 
 from dblock.forward import Forward, StepInput
-from dblock.optimized.atlas import build_support, candidates, route_restricted
+from dblock.optimized.atlas import build_supports, candidates, route_restricted
 from dblock.optimized.freshlane import CommStats, LocalDispatcher, grouped_swiglu_torch, moe_buffer_bytes
 from dblock.optimized.liveness import EMPTY, CacheArena, PassPlan, plan_passes
 from dblock.optimized.plan import BlockPlan, EpochConfig, PathModel
@@ -195,7 +195,6 @@ class LayerCall:
     idx_F: Optional[torch.Tensor] = None          # fresh rows, in order (_compact)
     x_FH: Optional[torch.Tensor] = None
     logits_FE: Optional[torch.Tensor] = None      # router logits of the fresh rows (_router_logits)
-    logits_TE: Optional[torch.Tensor] = None      # router logits of every row (only when a support is built)
     routed_rows: int = 0                          # rows whose router logits were computed
     ids_FK: Optional[torch.Tensor] = None         # routed experts of the fresh rows (-1 = none) (_route)
     w_FK: Optional[torch.Tensor] = None           # their routing weights
@@ -469,30 +468,33 @@ class EpochExecutor(Forward):
             c.x_FH = self.stages.compact(c.x_TH, c.idx_F.to(c.x_TH.device))
 
     def _router_logits(self, c: LayerCall) -> None:
-        """Router logits of the fresh rows; of every row when a block builds its support (the build needs all of its
-        rows' scores, and the extra rows cost 2·H·E FLOPs each)."""
-        if c.build:
-            c.logits_TE = c.moe.router_logits(c.x_TH)
-            c.logits_FE = c.logits_TE if c.idx_F.numel() == c.T else c.logits_TE[c.idx_F.to(c.x_TH.device)]
-            c.routed_rows = c.T
-        else:
-            c.logits_FE = c.moe.router_logits(c.x_FH)
-            c.routed_rows = c.x_FH.shape[0]
+        """Router logits of the fresh rows (a building block's other rows get theirs in `_build_supports`)."""
+        c.logits_FE = c.moe.router_logits(c.x_FH)
+        c.routed_rows = c.x_FH.shape[0]
 
     def _build_supports(self, c: LayerCall) -> None:
-        """Expert Atlas: the candidates of every building block's rows in one call, then one greedy build each."""
+        """Expert Atlas: the candidates of every building block's rows in one call (the build needs the scores of
+        all of a block's rows: the fresh rows' logits are reused, the others' computed here, 2·H·E FLOPs each),
+        then one batched greedy build (`atlas.build_supports`: each block's support is the one it would get
+        alone)."""
         if not c.build:
             return
-        R = c.R
+        R, dev = c.R, c.x_TH.device
         rows_G = torch.cat([R.plan_rows[p] for p in c.build])
-        w_GJ, id_GJ, mass_G = (t.cpu() for t in candidates(c.logits_TE[rows_G.to(c.x_TH.device)],
-                                                            c.moe.expert_bias, self.config, self.ap.m))
-        a = 0
-        for p in c.build:
-            b = a + R.plan_rows.lens[p]
-            res = build_support(w_GJ[a:b], id_GJ[a:b], mass_G[a:b], self.config.num_experts, self.ap)
+        pos_T = torch.full((c.T,), -1, dtype=torch.long)
+        pos_T[c.idx_F] = torch.arange(c.idx_F.numel())
+        pos_G = pos_T[rows_G]
+        have_G = pos_G >= 0
+        logits_GE = c.logits_FE.new_empty(rows_G.numel(), c.logits_FE.shape[1])
+        logits_GE[have_G.to(dev)] = c.logits_FE[pos_G[have_G].to(dev)]
+        other = rows_G[~have_G]
+        if other.numel():
+            logits_GE[(~have_G).to(dev)] = c.moe.router_logits(c.x_TH[other.to(dev)])
+            c.routed_rows += other.numel()
+        w_GJ, id_GJ, mass_G = (t.cpu() for t in candidates(logits_GE, c.moe.expert_bias, self.config, self.ap.m))
+        lens = [R.plan_rows.lens[p] for p in c.build]
+        for p, res in zip(c.build, build_supports(w_GJ, id_GJ, mass_G, lens, self.config.num_experts, self.ap)):
             self._set_support(c.li, R.plans[p], res)
-            a = b
 
     def _set_support(self, li: int, plan: BlockPlan, res) -> None:
         """Keep a build's support (a support of every expert is kept as None: the plain router); a failed build
@@ -575,8 +577,7 @@ class EpochExecutor(Forward):
         ids_TK = torch.full((T, ids_FK.shape[1]), -1, dtype=ids_FK.dtype, device=ids_FK.device)
         w_TK = torch.zeros((T, w_FK.shape[1]), dtype=w_FK.dtype, device=w_FK.device)
         ids_TK[c.idx_F], w_TK[c.idx_F] = ids_FK, w_FK
-        logits_OE = c.logits_TE[idx_O.to(dev)] if c.logits_TE is not None else \
-            c.moe.router_logits(c.x_TH[idx_O.to(dev)])
+        logits_OE = c.moe.router_logits(c.x_TH[idx_O.to(dev)])
         ids_OK, w_OK = self._route_rows(c.moe, logits_OE, self._allowed(c.li, c.R, idx_O, dev))
         ids_TK[idx_O], w_TK[idx_O] = ids_OK.to(ids_TK.device), w_OK.to(w_TK.device)
         return {"x_all": c.x_TH, "ids_all": ids_TK, "w_all": w_TK, "idx_fresh": c.idx_F}

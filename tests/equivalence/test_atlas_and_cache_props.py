@@ -8,7 +8,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from dblock.equivalence import invariants as inv
 from dblock.equivalence.audit import audited_epoch_forward
 from dblock.forward import Segment, StepInput, block_causal
-from dblock.optimized.atlas import AtlasParams, build_support, candidates, coverage, route_restricted
+from dblock.optimized.atlas import (AtlasParams, build_support, build_supports, candidates, coverage,
+                                   route_restricted)
 from dblock.reference.llada import route_llada2, route_llada_moe
 from dblock.tiny import make_tiny_model, tiny_config
 
@@ -50,6 +51,67 @@ def test_atlas_success_means_coverage_quota_met(case, alpha, q, B, c, m, beta):
     else:
         assert res.under > (1 - q) * N - 1e-9
     assert int(res.support.sum()) >= min(ap.B, E)                          # starts from the B most popular
+
+
+def plain_build(W, I, R, E, p):
+    """The greedy construction of docs/algorithms.md §4.2 for one block, written as plainly as possible: the oracle
+    of the batched `build_supports`. -> (support, success, under, rounds)."""
+    N, J = W.shape
+    W, R = W.double(), R.double()
+    mass = [[0.0] * E for _ in range(N)]
+    for t in range(N):
+        for j in range(J):
+            mass[t][int(I[t, j])] += float(W[t, j])
+    target = [p.alpha * float(R[t]) for t in range(N)]
+    pop = [sum(mass[t][e] for t in range(N)) for e in range(E)]
+    S = set(sorted(range(E), key=lambda e: -pop[e])[:min(p.B, E)])
+    rounds = 0
+    while True:
+        cover = [sum(mass[t][e] for e in S) for t in range(N)]
+        U = [t for t in range(N) if cover[t] < target[t] - 1e-12]
+        if len(U) <= (1 - p.q) * N + 1e-9:
+            return S, True, len(U), rounds
+        if p.c <= 0:
+            return S, False, len(U), rounds
+        score = {}
+        for e in range(E):
+            if e in S:
+                continue
+            G = sum(min(mass[t][e], max(0.0, target[t] - cover[t])) for t in U)
+            H = sum(1 for t in U if mass[t][e] > 0 and cover[t] + mass[t][e] >= target[t] - 1e-12)
+            if H + p.beta * G > 0:
+                score[e] = H + p.beta * G
+        if not score:
+            return S, False, len(U), rounds
+        S |= set(sorted(score, key=lambda e: -score[e])[:p.c])
+        rounds += 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(router_case(), min_size=1, max_size=4), st.floats(0.5, 1.0), st.floats(0.0, 1.0),
+       st.integers(1, 16), st.integers(0, 4), st.integers(0, 4), st.floats(0.0, 2.0))
+def test_batched_atlas_builds_equal_each_block_alone_and_the_plain_loop(cases, alpha, q, B, c, m, beta):
+    """`build_supports` over several blocks gives each block the support it gets alone, and that equals the plain
+    per-block loop (random scores: ties have probability zero, so the greedy order is the same)."""
+    cfg = cases[0][0]
+    E, K = cfg.num_experts, cfg.num_experts_per_tok
+    ap = AtlasParams(m=m, alpha=alpha, q=q, B=B, c=c, beta=beta).resolved(E, K)
+    blocks = []
+    for _, logits, _, g in cases:                       # one router (the first case's), each case's rows and seed
+        bias = 0.1 * torch.randn(E, generator=g) if cfg.use_expert_bias else None
+        blocks.append(candidates(logits[:, :E] if logits.shape[1] >= E else torch.randn(logits.shape[0], E,
+                                                                                          generator=g),
+                                 bias, cfg, ap.m))
+    W, I, R = (torch.cat([b[k] for b in blocks]) for k in range(3))
+    together = build_supports(W, I, R, [b[0].shape[0] for b in blocks], E, ap)
+    assert len(together) == len(blocks)
+    for (Wb, Ib, Rb), res in zip(blocks, together):
+        alone = build_support(Wb, Ib, Rb, E, ap)
+        assert torch.equal(res.support, alone.support)
+        assert (res.success, res.under, res.rounds) == (alone.success, alone.under, alone.rounds)
+        S, ok, under, rounds = plain_build(Wb, Ib, Rb, E, ap)
+        assert set(torch.nonzero(res.support).flatten().tolist()) == S
+        assert (res.success, res.under, res.rounds) == (ok, under, rounds)
 
 
 @given(router_case(), st.integers(0, 2 ** 31 - 1), st.sampled_from(["random", "support", "all"]))

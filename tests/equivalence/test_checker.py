@@ -109,11 +109,15 @@ def test_reused_block_key_without_clearing_is_caught():
 def test_lying_atlas_is_caught_by_the_independent_coverage_recheck(monkeypatch):
     """A support build that claims success with one expert: the audit says |U| = 0, the recomputation from the
     layer's MoE input says otherwise."""
-    def lying_build(W, I, R, E, p):
-        s = torch.zeros(E, dtype=torch.bool)
-        s[int(I[0, 0])] = True
-        return SupportResult(s, True, 0, 0)
-    monkeypatch.setattr(ex_mod, "build_support", lying_build)
+    def lying_builds(W, I, R, lens, E, p):
+        out, a = [], 0
+        for n in lens:
+            s = torch.zeros(E, dtype=torch.bool)
+            s[int(I[a, 0])] = True
+            out.append(SupportResult(s, True, 0, 0))
+            a += n
+        return out
+    monkeypatch.setattr(ex_mod, "build_supports", lying_builds)
     # B < E so that supports are built at all (with B >= E the support is every expert and nothing is built)
     sh = ShadowForward(audited_epoch_forward(MODEL, "epoch", atlas_B=MODEL.config.num_experts_per_tok),
                        LladaReference(MODEL))
