@@ -116,7 +116,7 @@ def _generate(args) -> int:
     with TraceWriter(args.trace if is_rank0() else None) as tr:
         if tr.enabled:
             tr.run_header(model=args.model, family=model.config.family, executor=fwd.name, schedule=spec.name,
-                          decode=vars(dec))
+                          decode=vars(dec), gate=spec.gate if spec.name.startswith("flowblock") else None)
         show = (args.progress or len(prompts) > 8) and is_rank0()
         res = generate(fwd, prompts, dec, spec, trace=tr, progress=show, batch_size=args.batch_size)
     texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens] if tok is not None else None

@@ -56,7 +56,8 @@ def run_schedule(fwd, prompts, dec, name: str, seeds, batch_size: Optional[int] 
         timed = TimedForward(fwd, shadow="strip", record=False)
     with TraceWriter(trace) as tr:
         if tr.enabled:
-            tr.run_header(family=fwd.config.family, executor=fwd.name, schedule=spec.name, decode=vars(dec))
+            tr.run_header(family=fwd.config.family, executor=fwd.name, schedule=spec.name, decode=vars(dec),
+                          gate=spec.gate if spec.name.startswith("flowblock") else None)
         res = generate(timed or fwd, reqs, dec, spec, trace=tr, progress=progress, batch_size=batch_size)
     s = res.summary()
     blocks = [b for c in res.counters for b in c.blocks]

@@ -223,7 +223,8 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
             if multi and alpha is not None:
                 phi = oba.transient_factor(alpha, x["K"], x["R"])
                 nbar_n = (1 + alpha) * phi
-                a_src = "measured (Eq. 6 on this run's counters): no δ is calibrated for this model"
+                a_src = ("measured (Eq. 6 on this run's counters): the demo's few requests cannot calibrate δ; "
+                         "`dblock simulate validate` predicts this α held out (δ from the other schedule)")
             else:
                 nbar_n, phi = nbar / n, 1.0
                 a_src = "measured n̄/n (α has no single root on these counters)" if multi else "-"
@@ -241,8 +242,9 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
                 "rho": {"value": rho, "source": "measured"},
                 "r": {"value": r, "source": "measured: the baseline's pass timed on the same rows"},
                 "beta": {"value": beta, "source": "measured: baseline pass cost per request at this composition"}}
-            x["prediction_note"] = (f"missing for {model.config.family}: δ (so α is the measured one) and an operator "
-                                    "profile (so r and β are measured on the same rows); finite-length run "
+            x["prediction_note"] = (f"measured inputs for {model.config.family}: α (too few requests here to calibrate "
+                                    "δ; `dblock simulate validate` predicts it held out) and r, β on the same rows "
+                                    "(no operator profile for this family); finite-length run "
                                     f"(transient factor φ), all {x['R']} requests in one batch")
         lo, hi = x["measured_band"]
         x["verdict"] = _verdict(lo, hi)

@@ -614,8 +614,8 @@ class EpochExecutor(Forward):
         """Routed + shared expert back in the padded (B, L, H) layout; the layer's statistics record."""
         B, L, H = c.xn_BLH.shape
         y_TH = c.y_TH
-        if c.moe.shared is not None:
-            y_TH = y_TH + c.moe.shared(c.x_TH)
+        if c.moe.shared is not None:                     # y_TH is this call's own buffer (_scatter): add in place
+            y_TH = y_TH.add_(c.moe.shared(c.x_TH)) if y_TH.dtype == c.x_TH.dtype else y_TH + c.moe.shared(c.x_TH)
         if c.R.padded:
             out = torch.zeros(B * L, H, dtype=c.xn_BLH.dtype, device=c.xn_BLH.device)
             out.index_copy_(0, c.R.flat.to(out.device), y_TH)

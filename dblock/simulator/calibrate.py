@@ -35,6 +35,15 @@ from dblock.trace import read_trace
 SCHEDULE_ALIASES = {"native": "native", "oba": "oba", "keep_all": "oba", "flowblock": "flowblock"}
 
 
+def canonical_schedule(name: str) -> str:
+    """The position model's name of a trace's schedule: FlowBlock's window suffix dropped (`flowblock2` ->
+    `flowblock`), the aliases above applied."""
+    s = str(name).lower()
+    if s.startswith("flowblock"):
+        return "flowblock"
+    return SCHEDULE_ALIASES.get(s, s)
+
+
 @dataclass
 class Run:
     """One trace file, summarised."""
@@ -192,7 +201,7 @@ class Calibrated:
     alphas: dict = field(default_factory=dict)     # schedule -> dict(alpha, naive, r, ...)
     delta: float | None = None
     delta_from: str | None = None
-    gamma: float = 0.9
+    gamma: float = 0.5
     delta_note: str | None = None                  # why δ could not be calibrated (then α is not predicted)
 
     def as_dict(self) -> dict:
@@ -203,9 +212,14 @@ class Calibrated:
 
 
 def calibrate(runs: list[Run], hw: Hardware | None = None, cfg: ModelConfig | None = None,
-              delta_from: str | None = "oba", gamma: float = 0.9, m_c: int = 5) -> Calibrated:
+              delta_from: str | None = "oba", gamma: float | None = None, m_c: int = 5) -> Calibrated:
     """Fit n̄, the Native profile and liveness, α and r of every other schedule, δ (on `delta_from`) and the cost
-    scale (when `hw` and a model config — given or in the run headers — are at hand)."""
+    scale (when `hw` and a model config — given or in the run headers — are at hand). `gamma`, FlowBlock's
+    readiness gate: None = the gate a FlowBlock trace's header records, else the decoder's default
+    (`dblock.decoding.schedules.FLOWBLOCK_GATE`): the simulated gate must be the one the runs used."""
+    if gamma is None:
+        from dblock.decoding.schedules import FLOWBLOCK_GATE
+        gamma = next((float(r.header["gate"]) for r in runs if r.header.get("gate") is not None), FLOWBLOCK_GATE)
     natives = [r for r in runs if SCHEDULE_ALIASES.get(r.schedule) == "native"]
     if not natives:
         raise ValueError("calibrate: no Native run among the traces (n̄ and the profile come from Native runs)")
@@ -244,19 +258,20 @@ def calibrate(runs: list[Run], hw: Hardware | None = None, cfg: ModelConfig | No
     cal = Calibrated(nbar, profile, liveness, cost_fit, cfg, hw, c0["t_den"], c0["tokens_per_block"], alphas,
                      gamma=gamma)
     if delta_from and profile is not None:
-        src = next((r for r in runs if r.schedule == delta_from), None)
-        if src is not None and not math.isnan(alphas[delta_from]["alpha"]):
-            sched = SCHEDULE_ALIASES.get(delta_from, delta_from)
-            kdist = src.counters()["blocks_per_response"] or [max(1, round(alphas[delta_from]["K"] /
-                                                                              alphas[delta_from]["R"]))]
-            cal.delta_from = delta_from
+        src = next((r for r in runs if canonical_schedule(r.schedule) == canonical_schedule(delta_from)
+                    and canonical_schedule(r.schedule) != "native"), None)
+        if src is not None and not math.isnan(alphas[src.schedule]["alpha"]):
+            a = alphas[src.schedule]
+            sched = canonical_schedule(src.schedule)
+            kdist = src.counters()["blocks_per_response"] or [max(1, round(a["K"] / a["R"]))]
+            cal.delta_from = src.schedule
             try:
-                cal.delta = calibrate_delta(profile, sched, alphas[delta_from]["alpha"], list(kdist),
-                                            responses=len(kdist), gamma=gamma)
+                cal.delta = calibrate_delta(profile, sched, a["alpha"], list(kdist), responses=len(kdist),
+                                            gamma=gamma)
             except ValueError as e:
                 # e.g. a measured α < 0 (warm-up steps hurt): the position model's δ >= 0 cannot reproduce it.
                 # The cost fit and the Native predictions stand; α of other schedules is then not predicted.
-                cal.delta_note = f"δ not calibrated on {delta_from}: {e}"
+                cal.delta_note = f"δ not calibrated on {src.schedule}: {e}"
     return cal
 
 

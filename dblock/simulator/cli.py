@@ -158,7 +158,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     ca.add_argument("--hardware", default=None, help="hardware profile for the cost fit (default: none = skip)")
     ca.add_argument("--model", default=None, help="model config when the trace headers carry none")
     ca.add_argument("--delta-from", default="oba", help="schedule whose fitted α calibrates δ (default oba)")
-    ca.add_argument("--gamma", type=float_arg(0.0, 1.0), default=0.9, help="FlowBlock readiness gate γ (default 0.9)")
+    ca.add_argument("--gamma", type=float_arg(0.0, 1.0), default=None,
+                    help="FlowBlock readiness gate γ (default: the gate the FlowBlock trace records, else the "
+                         "decoder's default 0.5)")
 
     pr = sub.add_parser("profile", help="time every operator of a pass of a model on this machine; write a profile",
                         description="Time attention by (rows, context), dense MLP and router by rows, MoE by (rows, "
@@ -219,6 +221,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     va.add_argument("--quick", action="store_true",
                     help="a smoke run: 16 problems, 2 repeats, batches 1,8,16, a quick profile when none exists")
     va.add_argument("--no-epoch", action="store_true", help="leave the Epoch executor out")
+    va.add_argument("--no-alpha", action="store_true",
+                    help="leave out the α rows (OBA and FlowBlock on tiny-uniform, each predicted with δ calibrated "
+                         "on the other; about 2 min)")
+    va.add_argument("--alpha-n", type=int_arg(8, 100_000), default=256,
+                    help="requests per α run (default 256: the fitted α's own 95%% interval is about ±0.1 wide)")
     return p
 
 
@@ -656,9 +663,11 @@ def _validate(args) -> int:
     path = args.profile or _profile_path(args.model)
     if args.profile and not os.path.isfile(args.profile):
         raise ValueError(f"--profile {args.profile}: no such file (write one with `dblock simulate profile`)")
-    plan = validate.Plan(model=args.model, n=args.n, repeats=args.repeats, epoch=not args.no_epoch)
+    plan = validate.Plan(model=args.model, n=args.n, repeats=args.repeats, epoch=not args.no_epoch,
+                         alpha_model=None if args.no_alpha else "tiny-uniform", alpha_n=args.alpha_n)
     if args.quick:
         plan.n, plan.repeats, plan.batches, plan.serve_requests = min(args.n, 16), min(args.repeats, 2), (1, 8, 16), 32
+        plan.alpha_n = min(args.alpha_n, 32)
     if os.path.isfile(path):
         prof = Profile.load(path)
     else:

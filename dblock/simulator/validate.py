@@ -15,9 +15,12 @@ profile, with an interval from the profile's repeat spread (quartiles).
 Rows: T_den (reference at batch 1, 8, 32; Epoch at 8, 32), TPS ratio between schedules (OBA, FlowBlock and
 Native without cache over Native; OBA on Epoch), TPS at batch 32 over batch 1 (batch composition alone), Epoch over
 dense TPS (batch 8, 32), serving throughput and P95 ITL (two rates). Error = (predicted − measured) / measured.
+And α of a held-out schedule on a uniform-state model (`alpha_rows`: OBA and FlowBlock on tiny-uniform, each
+predicted by the position model with δ calibrated on the other; error = predicted − measured).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -46,6 +49,9 @@ class Plan:
     epoch: bool = True
     drift: bool = True                # re-time the profile's anchors and scale it by the machine's drift
     seed: int = 0
+    alpha_model: Optional[str] = "tiny-uniform"   # uniform-state model whose α is predicted (None: no α rows)
+    alpha_n: int = 256                # problems per α run (the fitted α's 95% interval is ~±0.1 at 256)
+    alpha_batch: int = 16
 
 
 @dataclass
@@ -59,15 +65,20 @@ class Row:
     measured: float
     spread: float = float("nan")      # measured: (max − min)/median over repeats
     note: str = ""
+    absolute: bool = False            # error = predicted − measured (α: a relative error of a value near 0 says
+                                      # nothing); such rows stay out of the median |relative error|
 
     @property
     def error(self) -> float:
+        if self.absolute:
+            return self.predicted - self.measured
         return (self.predicted - self.measured) / self.measured if self.measured else float("nan")
 
     def as_dict(self) -> dict:
         return dict(name=self.name, quantity=self.quantity, unit=self.unit, predicted=self.predicted,
                     interval=[self.lo, self.hi], measured=self.measured, error=self.error,
-                    measured_spread=self.spread, note=self.note)
+                    error_kind="absolute" if self.absolute else "relative", measured_spread=self.spread,
+                    note=self.note)
 
 
 @dataclass
@@ -77,11 +88,19 @@ class Report:
 
     @property
     def median_abs_error(self) -> float:
-        e = [abs(r.error) for r in self.rows if math.isfinite(r.error)]
+        """Median |relative error| over the rows with a relative error."""
+        e = [abs(r.error) for r in self.rows if not r.absolute and math.isfinite(r.error)]
         return float(np.median(e)) if e else float("nan")
 
+    @property
+    def max_alpha_error(self) -> float:
+        """Largest |predicted − measured| over the α rows (NaN when there are none)."""
+        e = [abs(r.error) for r in self.rows if r.absolute and math.isfinite(r.error)]
+        return float(max(e)) if e else float("nan")
+
     def as_dict(self) -> dict:
-        return dict(meta=self.meta, rows=[r.as_dict() for r in self.rows], median_abs_error=self.median_abs_error)
+        return dict(meta=self.meta, rows=[r.as_dict() for r in self.rows], median_abs_error=self.median_abs_error,
+                    max_abs_alpha_error=self.max_alpha_error)
 
     def table(self) -> str:
         hdr = (f"{'row':<40} {'quantity':<12} {'predicted':>10} {'interval':>19} {'measured':>10} {'spread':>7} "
@@ -94,10 +113,14 @@ class Report:
             lines.append(f"{r.name:<40} {r.quantity:<12} {fmt.format(r.predicted * scale):>10} {iv:>19} "
                          f"{fmt.format(r.measured * scale):>10} "
                          + (f"{100 * r.spread:>6.0f}%" if math.isfinite(r.spread) else f"{'-':>7}")
-                         + f" {100 * r.error:>+7.1f}%"
+                         + (f" {r.error:>+7.3f} " if r.absolute else f" {100 * r.error:>+7.1f}%")
                          + (f"  [{r.note}]" if r.note else ""))
-        lines.append(f"median |error| over {len(self.rows)} rows: {100 * self.median_abs_error:.1f}% (spread: the "
+        rel = [r for r in self.rows if not r.absolute]
+        lines.append(f"median |error| over {len(rel)} rows: {100 * self.median_abs_error:.1f}% (spread: the "
                      "measurement's own (max − min)/median over its repeats)")
+        if len(rel) < len(self.rows):
+            lines.append(f"α rows: error = predicted − measured (absolute); largest |error| "
+                         f"{self.max_alpha_error:.3f}")
         return "\n".join(lines)
 
 
@@ -241,7 +264,69 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
             vals = [s[key] for s in sums]
             rows.append(Row(f"serving reference, {rate:g} req/s", label, unit, mid, lo, hi, float(np.median(vals)),
                             _spread(vals), f"batch cap {plan.batch_cap}, {plan.serve_requests} requests"))
+    if plan.alpha_model and not forward_given:
+        rows += alpha_rows(plan, progress=say)
     meta = dict(model=plan.model, task=plan.task, n=plan.n, repeats=plan.repeats, profile=profile.meta, drift=drift,
                 inputs="operator profile + counters of one Native reference run (no decoding times)",
                 timer="thread CPU time", seconds=time.perf_counter() - t_start)
     return Report(rows, meta)
+
+
+def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]] = None) -> list:
+    """α of a held-out schedule predicted from a Native run and the *other* schedule, against the α fitted on its
+    own counters (Eq. 6), for a uniform-state model (on masked models α = 0 by construction).
+
+    Three decoding runs of `plan.alpha_model` (Native, OBA, FlowBlock) write their traces in memory; for each of OBA
+    and FlowBlock held out, δ is calibrated on the other one (`calibrate.calibrate`: the position model on Native's
+    per-position accept passes) and the held-out α predicted (`calibrate.predict_run`). The interval propagates
+    the calibration input's uncertainty: δ recalibrated at the ends of the source α's 95% bootstrap interval
+    (requests resampled). Error = predicted − measured."""
+    import io
+    import json
+
+    import dblock
+    from dblock.compare import paired_bootstrap, run_schedule
+    from dblock.config import DecodeConfig
+    from dblock.decoding.generate import reference_forward
+    from dblock.simulator import calibrate as cal_mod
+    from dblock.tasks import get_task
+    from dblock.tasks.evaluate import TokenizerAdapter
+
+    say = progress or (lambda s: None)
+    m = model if model is not None else dblock.load(plan.alpha_model)
+    tok = TokenizerAdapter.from_folder(m.source)
+    prompts = [tok.encode(e.prompt) for e in get_task(plan.task).examples("test", plan.alpha_n)]
+    dec = DecodeConfig(max_new_tokens=plan.max_new_tokens,
+                       rule="entropy-bound" if m.config.family == "diffusion_gemma" else "threshold")
+    fwd = reference_forward(m)
+    runs, rows_of = {}, {}
+    for name in ("native", "oba", "flowblock"):
+        say(f"α runs: {plan.alpha_model} {name} ({plan.alpha_n} problems, batch {plan.alpha_batch})")
+        buf = io.StringIO()
+        rows_of[name] = run_schedule(fwd, prompts, dec, name, [plan.seed], plan.alpha_batch, trace=buf)
+        runs[name] = cal_mod.Run.load([json.loads(line) for line in buf.getvalue().splitlines() if line])
+    out = []
+    for held, src in (("flowblock", "oba"), ("oba", "flowblock")):
+        cal = cal_mod.calibrate([runs["native"], runs[src]], delta_from=src)
+        pr = cal_mod.predict_run(cal, runs[held])
+        a_pred, a_meas = pr["predicted"]["alpha"], pr["measured"]["alpha"]
+        ends, ci = [], paired_bootstrap(rows_of[src], rows_of["native"]).get("alpha_ci") or []
+        ks = runs[src].counters()["blocks_per_response"]
+        for a_src in ci:
+            try:
+                d = cal_mod.calibrate_delta(cal.profile, cal_mod.canonical_schedule(src), float(a_src), ks,
+                                            responses=len(ks), gamma=cal.gamma)
+            except ValueError:          # an end of the interval that no δ >= 0 reproduces
+                continue
+            ends.append(cal_mod.predict_run(dataclasses.replace(cal, delta=d), runs[held])["predicted"]["alpha"])
+        held_ci = paired_bootstrap(rows_of[held], rows_of["native"]).get("alpha_ci")
+        vals = [v for v in [a_pred, *ends] if v is not None and math.isfinite(v)]
+        lo, hi = (min(vals), max(vals)) if vals else (float("nan"), float("nan"))
+        note = (f"δ {cal.delta:.3f} from {src} α {cal.alphas[runs[src].schedule]['alpha']:.3f}"
+                if cal.delta is not None else (cal.delta_note or "no δ"))
+        if held_ci:
+            note += f"; measured α 95% CI {held_ci[0]:.3f}..{held_ci[1]:.3f} ({plan.alpha_n} requests)"
+        out.append(Row(f"{plan.alpha_model} {held} α, batch {plan.alpha_batch}", "α", "",
+                       float(a_pred) if a_pred is not None else float("nan"), lo, hi, float(a_meas), note=note,
+                       absolute=True))
+    return out

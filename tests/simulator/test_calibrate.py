@@ -131,3 +131,17 @@ def test_real_executor_traces(tmp_path):
         assert preds[s]["predicted"]["n"] == pytest.approx(cal.nbar) and preds[s]["predicted"]["alpha"] == 0.0
         assert "masked model" in preds[s]["note"]
         assert preds[s]["measured"]["n"] == pytest.approx(cal.nbar)
+
+
+def test_delta_source_named_without_its_window_and_the_gate_from_the_trace(traces):
+    """`delta_from="flowblock"` finds a trace the executor named `flowblock2`, and the simulated readiness gate is
+    the one that trace's header records (not a default that differs from the decoder's)."""
+    fb = calibrate.Run.load(traces["flowblock"])
+    fb.header = dict(fb.header, schedule="flowblock2", gate=0.5)
+    cal = calibrate.calibrate([calibrate.Run.load(traces["native"]), fb], delta_from="flowblock")
+    assert cal.delta_from == "flowblock2" and cal.gamma == 0.5
+    assert cal.delta is not None and cal.delta == pytest.approx(DELTA, abs=0.1)
+    fb.header["gate"] = 0.8
+    assert calibrate.calibrate([calibrate.Run.load(traces["native"]), fb], delta_from="flowblock").gamma == 0.8
+    assert calibrate.canonical_schedule("FlowBlock3") == "flowblock"
+    assert calibrate.canonical_schedule("keep_all") == "oba"

@@ -75,3 +75,22 @@ def test_repeated_interleaves_and_advances_the_progress_bar():
     out = measure.repeated({"a": lambda: order.append("a") or 1, "b": lambda: order.append("b") or 2}, 3,
                            progress=bar)
     assert order == ["a", "b"] * 3 and out == {"a": [1, 1, 1], "b": [2, 2, 2]} and bar.n == 6
+
+
+def test_alpha_rows_predict_each_schedule_from_the_other():
+    """The α rows on a uniform-state model: OBA and FlowBlock each predicted with δ calibrated on the other,
+    against the α fitted on the held-out run's own counters; absolute errors, kept out of the median."""
+    import dblock
+    m = dblock.load("tiny-uniform")
+    plan = validate.Plan(alpha_n=12, alpha_batch=6, max_new_tokens=32)
+    rows = validate.alpha_rows(plan, model=m)
+    assert [r.name.split()[1] for r in rows] == ["flowblock", "oba"]
+    for r, src in zip(rows, ("oba", "flowblock")):
+        assert r.quantity == "α" and r.absolute and f"from {src}" in r.note
+        assert r.error == pytest.approx(r.predicted - r.measured)
+    rel = validate.Row("x", "T_den", "ms", 1.1, 1.0, 1.2, 1.0)
+    rep = validate.Report([rel, *rows])
+    assert rep.median_abs_error == pytest.approx(0.1)
+    finite = [abs(r.error) for r in rows if r.error == r.error]
+    assert rep.max_alpha_error == (max(finite) if finite else rep.max_alpha_error)
+    assert rep.as_dict()["rows"][1]["error_kind"] == "absolute"
