@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 NEG = float("-inf")
@@ -83,12 +84,26 @@ def group_mask(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
     return gmask[:, :, None].expand_as(g).reshape(T, E) & torch.isfinite(choice_TE)
 
 
+def group_mask_finite(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
+    """`group_mask` for choice scores that are all finite (no support applied: the Atlas candidates): the same
+    two numbers per group summed in the same order, without the -inf bookkeeping."""
+    T, E = choice_TE.shape
+    if cfg.n_group <= 1:
+        return torch.ones_like(choice_TE, dtype=torch.bool)
+    g = choice_TE.view(T, cfg.n_group, E // cfg.n_group)
+    m1, i1 = g.max(dim=-1)
+    gscore = m1 + g.scatter(-1, i1[..., None], NEG).amax(dim=-1)
+    keep = gscore.topk(cfg.topk_group, dim=-1).indices
+    gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, keep, True)
+    return gmask[:, :, None].expand_as(g).reshape(T, E)
+
+
 def candidates(logits_TE: torch.Tensor, bias_E, cfg, m: int):
     """(W_TJ, I_TJ, R_T): the dense top-K (group rule applied) then the m next best by choice score."""
     w, b = router_scores(logits_TE, bias_E, cfg)
     K, E = cfg.num_experts_per_tok, w.shape[1]
     if cfg.score_function == "sigmoid":
-        top = b.masked_fill(~group_mask(b, cfg), NEG).topk(K, dim=-1).indices     # the router's own choice
+        top = b.masked_fill(~group_mask_finite(b, cfg), NEG).topk(K, dim=-1).indices   # the router's own choice
     else:
         top = b.topk(K, dim=-1).indices
     J = min(E, K + m)
@@ -110,11 +125,20 @@ class SupportResult:
     rounds: int
 
 
-def _top(x_PE: torch.Tensor, k: int):
+def _top(x_PE: np.ndarray, k: int):
     """(values, indices) of the k largest entries of each row, ties to the lower expert id (a stable sort: the
     same support on every machine and for every batch)."""
-    v, i = torch.sort(x_PE, dim=1, descending=True, stable=True)
-    return v[:, :k], i[:, :k]
+    i = np.argsort(-x_PE, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(x_PE, i, axis=1), i
+
+
+def _block_sums(x_G: np.ndarray, starts: np.ndarray, empty: np.ndarray) -> np.ndarray:
+    """Σ over each block's rows (blocks = consecutive row ranges starting at `starts`; `empty` marks blocks with
+    no rows, whose sum is 0)."""
+    out = np.add.reduceat(x_G, starts, axis=0) if x_G.shape[0] else np.zeros((len(starts),) + x_G.shape[1:])
+    if empty.any():
+        out[empty] = 0
+    return out
 
 
 def build_support(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, E: int, p: AtlasParams) -> SupportResult:
@@ -127,58 +151,70 @@ def build_supports(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, lens, E: i
     """docs/algorithms.md §4.2 greedy construction for several blocks at once -> one SupportResult per block.
 
     W, I: (G, J) and R: (G,) are the blocks' candidate rows concatenated, `lens` the blocks' row counts in order.
-    Each block's result is the one it gets alone: every quantity is per row or summed over its own block's rows
-    (`index_add_` by block), and a block stops changing once it succeeds or fails. The row-by-expert mass is scattered
-    once (a row's J candidates are distinct experts); each repair round is a handful of (G, E) operations for all
-    blocks still repairing -- G_e and H_e for every block and expert at once -- and one host read. Ties (in the
-    initial popularity and in a round's scores) go to the lower expert id."""
-    lens = [int(n) for n in lens]
+    Each block's result is the one it gets alone: every quantity is per row or summed over its own block's rows,
+    and a block stops changing once it succeeds or fails. The planner runs on the host (the block clock) in fp64
+    numpy: a build is a few dozen operations on arrays of a few thousand entries, where a numpy call costs a
+    fraction of a torch call. The row-by-expert mass is scattered once (a row's J candidates are distinct
+    experts); each repair round computes G_e and H_e for every block still repairing and every expert at once.
+    Ties (in the initial popularity and in a round's scores) go to the lower expert id."""
+    lens = np.asarray([int(n) for n in lens], dtype=np.int64)
     P = len(lens)
-    W, I, R = W.double().cpu(), I.cpu(), R.double().cpu()     # the planner runs on the host (block clock)
-    seg_G = torch.repeat_interleave(torch.arange(P), torch.tensor(lens, dtype=torch.long))
-    target_G = p.alpha * R                                          # r_t
-    mass_GE = torch.zeros(W.shape[0], E, dtype=torch.float64).scatter_add_(1, I, W)   # Σ_j W[t,j] 1[I[t,j]=e]
-    popularity_PE = torch.zeros(P, E, dtype=torch.float64).index_add_(0, seg_G, mass_GE)   # p_e per block
-    S_PE = torch.zeros(P, E, dtype=torch.bool)
-    S_PE.scatter_(1, _top(popularity_PE, min(p.B, E))[1], True)
-    allowed_under = [(1.0 - p.q) * n + 1e-9 for n in lens]
+    W_GJ = W.detach().to("cpu", torch.float64).numpy()
+    I_GJ = I.detach().cpu().numpy()
+    target_G = p.alpha * R.detach().to("cpu", torch.float64).numpy()       # r_t
+    G = W_GJ.shape[0]
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    empty = lens == 0
+    starts = np.minimum(starts, max(G - 1, 0))
+    seg_G = np.repeat(np.arange(P), lens)
+    mass_GE = np.zeros((G, E))
+    np.put_along_axis(mass_GE, I_GJ, W_GJ, axis=1)                  # Σ_j W[t,j] 1[I[t,j]=e] (distinct per row)
+    S_PE = np.zeros((P, E), dtype=bool)
+    np.put_along_axis(S_PE, _top(_block_sums(mass_GE, starts, empty), min(p.B, E))[1], True, axis=1)
+    allowed_under = (1.0 - p.q) * lens + 1e-9
     results: list = [None] * P
     rounds = 0
+
+    def result(b: int, ok: bool, n: int) -> SupportResult:
+        return SupportResult(torch.from_numpy(S_PE[b].copy()), ok, int(n), rounds)
+
     while True:
         cover_G = (mass_GE * S_PE[seg_G]).sum(1)                       # C_t
         U_G = cover_G < target_G - 1e-12
-        n_under = torch.zeros(P, dtype=torch.long).index_add_(0, seg_G, U_G.long()).tolist()
+        n_under = _block_sums(U_G.astype(np.int64), starts, empty)
         repair = []
         for b in range(P):
             if results[b] is not None:
                 continue
             if n_under[b] <= allowed_under[b]:
-                results[b] = SupportResult(S_PE[b].clone(), True, n_under[b], rounds)
+                results[b] = result(b, True, n_under[b])
             elif p.c <= 0:                                            # no repair allowed: fail closed
-                results[b] = SupportResult(S_PE[b].clone(), False, n_under[b], rounds)
+                results[b] = result(b, False, n_under[b])
             else:
                 repair.append(b)
         if not repair:
             return results
-        rep_P = torch.zeros(P, dtype=torch.bool)
+        rep_P = np.zeros(P, dtype=bool)
         rep_P[repair] = True
         U_G &= rep_P[seg_G]                                            # under-covered rows of repairing blocks
         mU_GE = mass_GE * U_G[:, None]
-        gap_G = (target_G - cover_G).clamp(min=0)                      # r_t - C_t
+        gap_G = np.maximum(target_G - cover_G, 0.0)                    # r_t - C_t
         # G_e = Σ_{t∈U} min(mass[t,e], gap_t) (one candidate per (t, e); no edge or t ∉ U: mass 0 adds 0);
         # H_e = Σ_{t∈U} 1[C_t + mass[t,e] >= r_t] over edges to e (mass > 0)
-        G_PE = torch.zeros(P, E, dtype=torch.float64).index_add_(0, seg_G, torch.minimum(mU_GE, gap_G[:, None]))
+        G_PE = _block_sums(np.minimum(mU_GE, gap_G[:, None]), starts, empty)
         hit_GE = (cover_G[:, None] + mU_GE >= target_G[:, None] - 1e-12) & (mU_GE > 0)
-        H_PE = torch.zeros(P, E, dtype=torch.float64).index_add_(0, seg_G, hit_GE.double())
-        score_PE = (H_PE + p.beta * G_PE).masked_fill(S_PE, NEG)
-        score_PE = score_PE.masked_fill(score_PE <= 0, NEG)
+        H_PE = _block_sums(hit_GE.astype(np.float64), starts, empty)
+        score_PE = H_PE + p.beta * G_PE
+        score_PE[S_PE | (score_PE <= 0)] = NEG
         top_v, top_i = _top(score_PE, min(p.c, E))
-        ok_PC = torch.isfinite(top_v) & rep_P[:, None]
-        helps = ok_PC.any(1).tolist()
+        ok_PC = np.isfinite(top_v) & rep_P[:, None]
+        helps = ok_PC.any(1)
         for b in repair:
             if not helps[b]:                                          # no expert can help: fail closed
-                results[b] = SupportResult(S_PE[b].clone(), False, n_under[b], rounds)
-        S_PE |= torch.zeros_like(S_PE).scatter_(1, top_i, ok_PC)
+                results[b] = result(b, False, n_under[b])
+        add_PE = np.zeros_like(S_PE)
+        np.put_along_axis(add_PE, top_i, ok_PC, axis=1)
+        S_PE |= add_PE
         rounds += 1
 
 

@@ -30,7 +30,7 @@ The MoE region of one layer (`EpochExecutor._moe`) is a pipeline of named steps 
   supports        `_supports_due`, `_build_supports`   Expert Atlas (re)builds S_l for the blocks that are due
                                      (docs/algorithms.md §4.2)
   compact         `_compact`         the fresh rows of the whole batch into one (F, H) buffer
-  router          `_router_logits`   router logits of the fresh rows (a building block's other rows: in `_build_supports`)
+  router          `_router_logits`   router logits of the fresh rows (a building block's rows: in `_build_supports`)
   path counters   `_count_paths`
   route           `_route`           the model's rule restricted to each row's `_routing_support`
   experts         `_run_experts`     FreshLane (docs/algorithms.md §4.4): the dispatcher hands the rows to the
@@ -195,7 +195,7 @@ class LayerCall:
     idx_F: Optional[torch.Tensor] = None          # fresh rows, in order (_compact)
     x_FH: Optional[torch.Tensor] = None
     logits_FE: Optional[torch.Tensor] = None      # router logits of the fresh rows (_router_logits)
-    routed_rows: int = 0                          # rows whose router logits were computed
+    routed_rows: int = 0                          # router-logit rows computed (fresh + building blocks' rows)
     ids_FK: Optional[torch.Tensor] = None         # routed experts of the fresh rows (-1 = none) (_route)
     w_FK: Optional[torch.Tensor] = None           # their routing weights
     y_FH: Optional[torch.Tensor] = None           # routed-expert output of the fresh rows (_run_experts)
@@ -473,24 +473,15 @@ class EpochExecutor(Forward):
         c.routed_rows = c.x_FH.shape[0]
 
     def _build_supports(self, c: LayerCall) -> None:
-        """Expert Atlas: the candidates of every building block's rows in one call (the build needs the scores of
-        all of a block's rows: the fresh rows' logits are reused, the others' computed here, 2·H·E FLOPs each),
-        then one batched greedy build (`atlas.build_supports`: each block's support is the one it would get
-        alone)."""
+        """Expert Atlas: the router logits and candidates of every building block's rows in one call each (the
+        build needs the scores of all of a block's rows, 2·H·E FLOPs a row), then one batched greedy build
+        (`atlas.build_supports`: each block's support is the one it would get alone)."""
         if not c.build:
             return
-        R, dev = c.R, c.x_TH.device
+        R = c.R
         rows_G = torch.cat([R.plan_rows[p] for p in c.build])
-        pos_T = torch.full((c.T,), -1, dtype=torch.long)
-        pos_T[c.idx_F] = torch.arange(c.idx_F.numel())
-        pos_G = pos_T[rows_G]
-        have_G = pos_G >= 0
-        logits_GE = c.logits_FE.new_empty(rows_G.numel(), c.logits_FE.shape[1])
-        logits_GE[have_G.to(dev)] = c.logits_FE[pos_G[have_G].to(dev)]
-        other = rows_G[~have_G]
-        if other.numel():
-            logits_GE[(~have_G).to(dev)] = c.moe.router_logits(c.x_TH[other.to(dev)])
-            c.routed_rows += other.numel()
+        logits_GE = c.moe.router_logits(c.x_TH.index_select(0, rows_G.to(c.x_TH.device)))
+        c.routed_rows += rows_G.numel()
         w_GJ, id_GJ, mass_G = (t.cpu() for t in candidates(logits_GE, c.moe.expert_bias, self.config, self.ap.m))
         lens = [R.plan_rows.lens[p] for p in c.build]
         for p, res in zip(c.build, build_supports(w_GJ, id_GJ, mass_G, lens, self.config.num_experts, self.ap)):

@@ -248,3 +248,13 @@ def test_state_machine_reaches_the_cache():
         f.denoise([StepInput(0, [segment(tokens, C, 1)], block_causal(1), cache)])
         tokens[i] = 20 + i
     assert max(f.age_hist) == 3 and inv.check_executor(f) == []
+
+
+@given(router_case())
+def test_the_finite_group_mask_equals_the_general_one_on_finite_scores(case):
+    """The Atlas candidates' group rule (no -inf bookkeeping) is the router's group rule wherever every choice
+    score is finite."""
+    from dblock.optimized.atlas import group_mask, group_mask_finite, router_scores
+    cfg, logits, bias, _ = case
+    _, b = router_scores(logits, bias, cfg)
+    assert torch.equal(group_mask_finite(b, cfg), group_mask(b, cfg))
