@@ -260,16 +260,19 @@ def _verdict(lo: float, hi: float) -> str:
 def _profile_for(name: str, model, path: str | None, quiet: bool):
     """The operator profile of `name` on this machine: `path`, else the cached default, else measured now (quick)."""
     from dblock.simulator.profile import Profile, default_path
-    from dblock.simulator.profiler import Profiler, machine_tag
+    from dblock.simulator.profiler import Profiler, code_fingerprint, machine_tag
     p = path or default_path(name, machine_tag())
+    why = "no operator profile of {name} on this machine yet"
     if os.path.isfile(p):
         try:
             prof = Profile.load(p)
             if prof.has("epoch_moe") and prof.meta.get("anchor"):
-                return prof
+                if prof.meta.get("code") == code_fingerprint():
+                    return prof
+                why = "the operator profile of {name} was measured on other executor code (it would price that code)"
         except ValueError:
             pass
-    print(f"demo: no operator profile of {name} on this machine yet: measuring a quick one (about 40 s; "
+    print(f"demo: {why.format(name=name)}: measuring a quick one (about 40 s; "
           f"`dblock simulate profile --model {name}` measures the full one) -> {p}", file=sys.stderr)
     from dblock.simulator.profiler import QUICK
     prof = Profiler(model, name=name, **QUICK).run(("reference", "epoch"))

@@ -670,6 +670,11 @@ def _validate(args) -> int:
         plan.alpha_n = min(args.alpha_n, 32)
     if os.path.isfile(path):
         prof = Profile.load(path)
+        from dblock.simulator.profiler import code_fingerprint
+        if prof.meta.get("code") != code_fingerprint():
+            print(f"warning: the profile {path} was measured on other executor code than this checkout's: its "
+                  f"predictions price that code (`dblock simulate profile --model {args.model}` re-measures it)",
+                  file=sys.stderr)
     else:
         from dblock.simulator.profiler import profile_model
         if not args.json:

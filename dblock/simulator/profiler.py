@@ -528,7 +528,7 @@ class Profiler:
                     processor=platform.processor() or platform.machine(), cores=os.cpu_count(),
                     torch=torch.__version__, threads=torch.get_num_threads(), dtype=str(self.dtype).split(".")[-1],
                     device="cpu", timer=TIMER, repeats=self.repeats, min_sample_s=self.min_s,
-                    executors=list(executors), seconds=time.perf_counter() - t0,
+                    executors=list(executors), seconds=time.perf_counter() - t0, code=code_fingerprint(),
                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
         return Profile(meta, dict(self.tables))
 
@@ -577,6 +577,26 @@ def drift(profile, model, repeats: int = 7, timer: Callable[[], float] = time.th
 
 def machine_tag() -> str:
     return f"{platform.system()}-{platform.machine()}-{os.cpu_count()}cpu"
+
+
+#: the packages whose code a profile times: a change there (an executor made faster) makes a profile stale
+CODE_PACKAGES = ("reference", "optimized", "decoding", "kernels")
+
+
+def code_fingerprint() -> str:
+    """SHA-256 (16 hex digits) of the source of the executors and the decoder (`CODE_PACKAGES`), stored in every
+    profile's meta as `code`: a profile measured before a change to them prices the old code."""
+    import hashlib
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for pkg in CODE_PACKAGES:
+        d = os.path.join(root, pkg)
+        for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            if name.endswith(".py"):
+                h.update(f"{pkg}/{name}\0".encode())
+                with open(os.path.join(d, name), "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:16]
 
 
 def profile_model(model: str, out: Optional[str] = None, executors: Sequence[str] = ("reference", "epoch"),

@@ -45,3 +45,29 @@ def test_prediction_is_never_null_and_the_verdict_follows_the_band(slow):
     else:
         assert lo <= 1 <= hi
     assert x["prediction_agrees"]
+
+
+def test_the_demo_remeasures_a_profile_of_other_executor_code(tmp_path, monkeypatch):
+    """A cached profile prices the code it was measured on: the demo keeps it when the executors' source is the
+    same (the code fingerprint in its meta) and measures a new one when it is not."""
+    import numpy as np
+
+    from dblock.simulator import profiler
+    from dblock.simulator.profile import OpTable, Profile
+    path = str(tmp_path / "p.json")
+    t = OpTable.from_samples("epoch_moe", ["rows"], [[1, 2]], np.ones((2, 1)), [True])
+    Profile(dict(anchor={"x": 1.0}, code=profiler.code_fingerprint()), {"epoch_moe": t}).save(path)
+    measured = []
+
+    class Stub:
+        def __init__(self, *a, **k):
+            pass
+
+        def run(self, *a):
+            measured.append(1)
+            return Profile(dict(anchor={"x": 1.0}, code=profiler.code_fingerprint()), {"epoch_moe": t})
+    monkeypatch.setattr(profiler, "Profiler", Stub)
+    assert demo._profile_for("m", None, path, True).meta["code"] == profiler.code_fingerprint() and not measured
+    Profile(dict(anchor={"x": 1.0}, code="0" * 16), {"epoch_moe": t}).save(path)
+    demo._profile_for("m", None, path, True)
+    assert measured == [1] and Profile.load(path).meta["code"] == profiler.code_fingerprint()
