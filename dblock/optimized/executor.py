@@ -468,7 +468,7 @@ class EpochExecutor(Forward):
             c.x_FH = self.stages.compact(c.x_TH, c.idx_F.to(c.x_TH.device))
 
     def _router_logits(self, c: LayerCall) -> None:
-        """Router logits of the fresh rows (a building block's other rows get theirs in `_build_supports`)."""
+        """Router logits of the fresh rows (a building block's rows get theirs again in `_build_supports`)."""
         c.logits_FE = c.moe.router_logits(c.x_FH)
         c.routed_rows = c.x_FH.shape[0]
 
