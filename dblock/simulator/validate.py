@@ -305,21 +305,22 @@ def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]]
         buf = io.StringIO()
         rows_of[name] = run_schedule(fwd, prompts, dec, name, [plan.seed], plan.alpha_batch, trace=buf)
         runs[name] = cal_mod.Run.load([json.loads(line) for line in buf.getvalue().splitlines() if line])
+    ci_of = {name: paired_bootstrap(rows_of[name], rows_of["native"]).get("alpha_ci") or []
+             for name in ("oba", "flowblock")}                 # each fitted α's 95% interval (requests resampled)
     out = []
     for held, src in (("flowblock", "oba"), ("oba", "flowblock")):
         cal = cal_mod.calibrate([runs["native"], runs[src]], delta_from=src)
         pr = cal_mod.predict_run(cal, runs[held])
         a_pred, a_meas = pr["predicted"]["alpha"], pr["measured"]["alpha"]
-        ends, ci = [], paired_bootstrap(rows_of[src], rows_of["native"]).get("alpha_ci") or []
-        ks = runs[src].counters()["blocks_per_response"]
-        for a_src in ci:
+        ends, ks = [], runs[src].counters()["blocks_per_response"]
+        for a_src in ci_of[src]:
             try:
                 d = cal_mod.calibrate_delta(cal.profile, cal_mod.canonical_schedule(src), float(a_src), ks,
                                             responses=len(ks), gamma=cal.gamma)
             except ValueError:          # an end of the interval that no δ >= 0 reproduces
                 continue
             ends.append(cal_mod.predict_run(dataclasses.replace(cal, delta=d), runs[held])["predicted"]["alpha"])
-        held_ci = paired_bootstrap(rows_of[held], rows_of["native"]).get("alpha_ci")
+        held_ci = ci_of[held]
         vals = [v for v in [a_pred, *ends] if v is not None and math.isfinite(v)]
         lo, hi = (min(vals), max(vals)) if vals else (float("nan"), float("nan"))
         note = (f"δ {cal.delta:.3f} from {src} α {cal.alphas[runs[src].schedule]['alpha']:.3f}"
