@@ -79,9 +79,15 @@ def group_mask(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
     zero = torch.zeros((), dtype=m1.dtype, device=m1.device)
     gscore = torch.where(f1, m1, zero) + torch.where(f2, m2, zero)
     gscore = torch.where(f1, gscore, torch.full_like(gscore, NEG))
-    keep = gscore.topk(cfg.topk_group, dim=-1).indices               # (T, topk_group)
-    gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, keep, True)
-    return gmask[:, :, None].expand_as(g).reshape(T, E) & torch.isfinite(choice_TE)
+    return _kept_groups(gscore, g, cfg) & torch.isfinite(choice_TE)
+
+
+def _kept_groups(gscore_TG: torch.Tensor, g_TGX: torch.Tensor, cfg) -> torch.Tensor:
+    """(T, E) bool: the experts of each row's `topk_group` best-scored groups."""
+    keep = gscore_TG.topk(cfg.topk_group, dim=-1).indices               # (T, topk_group)
+    gmask = torch.zeros_like(gscore_TG, dtype=torch.bool).scatter_(1, keep, True)
+    T, G, X = g_TGX.shape
+    return gmask[:, :, None].expand_as(g_TGX).reshape(T, G * X)
 
 
 def group_mask_finite(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
@@ -92,10 +98,7 @@ def group_mask_finite(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
         return torch.ones_like(choice_TE, dtype=torch.bool)
     g = choice_TE.view(T, cfg.n_group, E // cfg.n_group)
     m1, i1 = g.max(dim=-1)
-    gscore = m1 + g.scatter(-1, i1[..., None], NEG).amax(dim=-1)
-    keep = gscore.topk(cfg.topk_group, dim=-1).indices
-    gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, keep, True)
-    return gmask[:, :, None].expand_as(g).reshape(T, E)
+    return _kept_groups(m1 + g.scatter(-1, i1[..., None], NEG).amax(dim=-1), g, cfg)
 
 
 def candidates(logits_TE: torch.Tensor, bias_E, cfg, m: int):

@@ -283,7 +283,7 @@ def predict_run(cal: Calibrated, run: Run) -> dict:
     (n̄ / n_pred) · ρ / r_pred with r_pred = T_den,pred / T_den(Native) measured at calibration.
     """
     c = run.counters()
-    sched = SCHEDULE_ALIASES.get(run.schedule, run.schedule)
+    sched = canonical_schedule(run.schedule)
     out: dict = dict(path=run.path, schedule=run.schedule, measured=dict(t_den=c["t_den"], n=c["n"]))
     if cal.cost_fit is not None and cal.cfg is not None and cal.hw is not None:
         times = [cost.pass_cost(cal.cfg, pass_shape(ev), cal.hw, cost.Parallel(), cal.cost_fit.cal).total
@@ -291,8 +291,6 @@ def predict_run(cal: Calibrated, run: Run) -> dict:
         t_pred = float(np.mean(times)) if times else float("nan")
     else:
         t_pred = float("nan")
-    if sched.startswith("flowblock"):          # trace names carry the window: flowblock2, flowblock3, ...
-        sched = "flowblock"
     bracket = None
     masked = str(run.header.get("family", "")) in ("llada2_moe", "llada_moe")
     if sched == "native":
