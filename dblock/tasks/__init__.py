@@ -1,9 +1,10 @@
 """Synthetic graded tasks and the character tokenizer for the tiny bundled models.
 
 `get_task(name)` names: `arith` (add + rev, 1:1), `arith-add`, `arith-rev`, `arith-small` (add + rev, 1:1, with
-1..4-digit operands and 1..6-digit strings: about 3 blocks per answer; what the bundled tiny models are trained on),
-`arith-long` (the `columns` answer style of `dblock/tasks/arith.py`: add of 1..8-digit operands, div -- short
-division of a 4..12-digit number by one digit --, rev of 1..6 digits, weights 2:3:1), or a mix spelled
+1..4-digit operands and 1..6-digit strings: about 3 blocks per answer),
+`arith-long` (the `groups` answer style of `dblock/tasks/arith.py`: add of 1..8-digit operands, div -- short
+division of a 2..8-digit number by one digit --, rev of 1..6 digits, weights 3:2:1; what the bundled tiny models are
+trained on), or a mix spelled
 `arith:add=3,rev=1` / `arith-long:add=1,div=1,rev=0` (weights over that task's kinds, with its sizes and style).
 Keyword arguments go to `ArithTask` (sizes, test_fraction) and override a variant's sizes.
 """
@@ -17,8 +18,8 @@ Task = ArithTask
 
 _FIXED = {"arith": None, "arith-add": {"add": 1.0}, "arith-rev": {"rev": 1.0}}
 _VARIANTS = {"arith-small": dict(mix=None, add_digits=(1, 4), rev_len=(1, 6)),
-             "arith-long": dict(mix={"add": 2.0, "div": 3.0, "rev": 1.0}, add_digits=(1, 8), div_digits=(4, 12),
-                                rev_len=(1, 6), style="columns")}
+             "arith-long": dict(mix={"add": 3.0, "div": 2.0, "rev": 1.0}, add_digits=(1, 8), div_digits=(2, 8),
+                                rev_len=(1, 6), style="groups")}
 _MIXABLE = ("arith", "arith-long")    # `NAME:kind=W,...` re-weights these
 
 

@@ -28,47 +28,44 @@ for `add`, so the sum is built right to left exactly like carrying by hand; at i
 Lengths (`lines`): `add` with 1..6-digit operands gives 16..107 characters, `rev` of 1..8 digits 9..100; the default
 1:1 mix has a mean of about 52 characters (over 3 blocks, see `length_stats`). Prompts are at most 14 characters.
 
-Style `columns` (task `arith-long`: `add` of 1..8-digit operands, `div` -- short division of a 4..12-digit number
-by one digit 2..9 --, and `rev` of 1..6 digits in the `lines` format above; weights 2:3:1). An `add` or `div` answer
-is one row of intermediate digits aligned with the operands' columns, the marker, and the result written normally:
+Style `groups` (task `arith-long`: `add` of 1..8-digit operands, `div` -- short division of a 2..8-digit number by
+one digit 2..9 --, and `rev` of 1..6 digits in the `lines` format above; weights 3:2:1). An `add` or `div` answer is
+one GROUP of four characters per column of the longer operand (of the dividend), most significant column first,
+groups separated by `,`, then the marker and the result written normally. A group restates the column's input
+digits, then its two output digits:
 
-`add`, prompt `A+B=`: the CARRY ROW c_n ... c_1 (n: the longer operand's length; c_{j+1} the carry out of the column
-of weight 10^j, c_0 = 0 unwritten), most significant first so that it sits right-aligned under the operands, then the
-sum (c_n, when 1, followed by s_{n-1} ... s_0), with c_{j+1} = (a_j + b_j + c_j) // 10, s_j = (a_j + b_j + c_j) % 10:
+`add`, prompt `A+B=`, operands zero-padded to n = the longer one's length; group j = `a_j b_j c_j s_j` with c_j the
+carry INTO column j (from the column on its right; 0 for the units), s_j = (a_j + b_j + c_j) % 10; the sum is the
+carry out of the top column, when 1, followed by the s_j:
 
-    prompt `123+45=`    answer `000=>168`
-    prompt `347+85=`    answer `011=>432`      (7+5 = 12: c_1 = 1; 4+8+1 = 13: c_2 = 1; 3+0+1 = 4: c_3 = 0)
-    prompt `999+1=`     answer `111=>1000`
+    prompt `7+5=`       answer `7502=>12`
+    prompt `347+85=`    answer `3014,4813,7502=>432`   (7+5 = 12: s 2, carry 1 into the tens; 4+8+1 = 13: s 3, carry
+                                                        1 into the hundreds; 3+0+1 = 4: s 4, no carry out)
+    prompt `123+45=`    answer `1001,2406,3508=>168`
 
-`div`, prompt `A:d=` (`:` the division sign): the REMAINDER ROW r_{n-1} ... r_0 of short division, left-aligned under
-the dividend's digits, then the quotient (leading zero dropped), `r` and the remainder, with
-q_j = (10 r_{j+1} + a_j) // d, r_j = (10 r_{j+1} + a_j) % d, r_n = 0, digits taken most significant first:
+`div`, prompt `A:d=` (`:` the division sign): group j = `a_j r_{j-1} q_j r_j` with r_{j-1} the remainder carried
+in (0 for the first digit; the previous group's last character), q_j, r_j = divmod(10 r_{j-1} + a_j, d); the value is
+the quotient (its leading zero dropped), `r` and the last remainder:
 
-    prompt `4721:8=`    answer `4701=>590r1`   (4: q 0 r 4; 47: q 5 r 7; 72: q 9 r 0; 01: q 0 r 1)
-    prompt `7:9=`       answer `7=>0r7`
+    prompt `4721:8=`    answer `4004,7457,2790,1001=>590r1`   (4: q 0 r 4; 47: q 5 r 7; 72: q 9 r 0; 01: q 0 r 1)
+    prompt `7:9=`       answer `7007=>0r7`
 
-Why this format for a small non-autoregressive model. (1) Every answer character is a function of at most three
-characters, each at a distance that is the same for every column of a problem: a carry c_{j+1} reads a_j and b_j (a
-fixed distance left of the prompt's `+` and `=`, the row being right-aligned) and c_j, the next character; a remainder
-r_j reads a_j (a fixed distance back: the row is left-aligned with the dividend) and r_{j+1}, the previous character;
-a result digit reads its column's carry or remainder and operand digits, a fixed distance back. (The distances
-depend on the operands' lengths, so the model learns length-dependent offsets, as the `rev` lines, whose length is
-that of the string, already need; they are never counted from the far end of a number.) No mirror lookups
-(the column counted from the other end, which a least-significant-first sum needs) and no restated lines (the
-`lines` add solutions, which the bundled ~1.5M-parameter model learned to only 0.16 exact answers:
-`dblock/checkpoints/tiny-masked/MODEL_CARD.md`). (2) The answer's length follows from the prompt and one character
-(c_n; for div the prompt alone), so the EOS position is known early. (3) Real sequential structure, which a model
-with a few layers cannot shortcut: a remainder r_j is (the dividend's first n - j digits) mod d, so the remainder row
-is a chain decoded in reading order, one or a few digits per pass; a carry is known from its own column where the
-column generates or kills it (a_j + b_j != 9) and waits for the carry on its right otherwise, so a carry row is
-decoded right to left in waves as long as its propagate runs; the result waits for the row it reads. Division runs in
-the direction of the text, so its chains never wait on a later block; addition's run against it, but its chains are
-short (a block boundary inside the carry row needs the model to look past a propagate run, 10% of columns). A
-least-significant-first multiplication would need mirror lookups, a most-significant-first one long chains against
-the block order: division is the single-digit kind that fits. Addition's chains being short, it is the remainder
-rows that make blocks live several passes once a model is accurate, hence div's weight (3 of 6) and its long
-dividends (4..12 digits). (4) The value after `=>` of `add` is the plain sum, as in the `lines` style, so the
-README's `123+45=` reads `000=>168`.
+Why this format for a small non-autoregressive model. (1) Every output character is a function of characters inside
+its own group or in the neighbouring group, at distances that are the same for every column and every problem: s_j
+reads a_j, b_j, c_j (1-3 back); c_j is the carry out of the group on its right (five characters on: that group's
+a, b and c); r_{j-1} is the previous group's last character (two back); q_j and r_j read a_j, r_{j-1} and the
+divisor. The one long-range step is the restatement of the operand digits, a copy from the prompt, and the result
+after `=>`, a copy of every group's fourth (add) or third (div) character. An earlier layout with only the carry
+row (`011=>432`) needed every result digit to find its operand digits at offsets that depend on the operands'
+lengths; the bundled ~1.5M-parameter model learned it to 0.10 exact sums, this one past 0.5 in the same number of
+steps (`dblock/checkpoints/tiny-masked/MODEL_CARD.md` records the trained model). (2) The answer's length follows from
+the prompt and one bit (the carry out of the top column; for div the prompt alone), so the EOS position is known
+early. (3) Real sequential structure that a model with a few layers cannot shortcut: a remainder r_j is (the
+dividend's first j + 1 digits) mod d, so the div groups are a chain decoded in reading order, a group or two per
+pass; a carry is known from the column on its right when that column generates or kills it (a + b != 9) and waits
+otherwise, so the add groups resolve right to left in waves along propagate runs; the value waits for the groups it
+copies. So a block of an accurate model lives several passes. (4) The value after `=>` of `add` is the plain sum, as
+in the `lines` style.
 
 Splits. `sample(split, index)` is a pure function of (task, sizes, split, index): a `random.Random` seeded with a
 SHA-256 of those draws a problem class (sub-task and sizes) and then problems of that class; a problem belongs to
@@ -77,9 +74,9 @@ problems of the other split are redrawn. So the splits are disjoint by construct
 prompt alone, the same rule for every task and style) and have the same class mix. Tiny classes repeat (there are
 only 10 one-digit `rev` problems). `Example.digits` is the problem's difficulty grade: the longest operand's length.
 
-Sizes (`columns`). `add` draws n uniformly, the other operand's length in n-2..n (both operands long, so carries and
+Sizes (`groups`). `add` draws n uniformly, the other operand's length in n-2..n (both operands long, so carries and
 their propagate runs are common), in either order; `div` and `rev` draw their length uniformly. Answers are at most
-19 characters for add, 28 for div (12-digit dividends), 64 for rev; prompts at most 18.
+50 characters for add, 50 for div, 64 for rev; prompts at most 18.
 
 Grading. `grade(prompt, text)` re-solves the prompt in the task's style and compares exactly with the value right
 after the first `=>` in `text`, the decoded answer (digits; for `div` `Q r R`, e.g. `590r1`; anything from the
@@ -96,12 +93,12 @@ from typing import Iterable, Sequence
 
 MARKER = "=>"
 SPLITS = ("train", "test")
-STYLES = ("lines", "columns")
+STYLES = ("lines", "groups")
 _ADD = re.compile(r"(\d+)\+(\d+)=")
 _DIV = re.compile(r"(\d+):([1-9])=")
 _REV = re.compile(r"rev (\d+)=")
 _FINAL = re.compile(re.escape(MARKER) + r"(\d+)")
-_FINAL_COLUMNS = re.compile(re.escape(MARKER) + r"(\d+(?:r\d+)?)")
+_FINAL_GROUPS = re.compile(re.escape(MARKER) + r"(\d+(?:r\d+)?)")
 
 
 @dataclass(frozen=True)
@@ -137,43 +134,45 @@ def solve_rev(digits: str) -> tuple[str, str]:
     return "".join(lines) + MARKER + r, r
 
 
-def solve_add_columns(a: str, b: str) -> tuple[str, str]:
-    """Carry row and sum of `a+b=` (`columns` style): `347+85=` -> `011=>432`."""
+def solve_add_groups(a: str, b: str) -> tuple[str, str]:
+    """Column groups and sum of `a+b=` (`groups` style): `347+85=` -> `3014,4813,7502=>432`."""
     n = max(len(a), len(b))
     a, b = a.zfill(n), b.zfill(n)
-    carries, digits, c = "", "", 0
-    for j in range(n - 1, -1, -1):               # units first
-        c, d = divmod(int(a[j]) + int(b[j]) + c, 10)
-        carries, digits = str(c) + carries, str(d) + digits
-    final = ("1" if c else "") + digits
-    return carries + MARKER + final, final
+    groups, c = [""] * n, 0
+    for j in range(n - 1, -1, -1):               # units first: the carry runs right to left
+        c_in = c
+        c, d = divmod(int(a[j]) + int(b[j]) + c_in, 10)
+        groups[j] = f"{a[j]}{b[j]}{c_in}{d}"
+    final = ("1" if c else "") + "".join(g[3] for g in groups)
+    return ",".join(groups) + MARKER + final, final
 
 
 def solve_div(a: str, d: str) -> tuple[str, str]:
-    """Remainder row, quotient and remainder of `a:d=` with a single digit d (`columns` style, short division):
-    `4721:8=` -> `4701=>590r1`."""
-    k, r, rems, quot = int(d), 0, [], []
+    """Digit groups, quotient and remainder of `a:d=` with a single digit d (`groups` style, short division):
+    `4721:8=` -> `4004,7457,2790,1001=>590r1`."""
+    k, r, groups, quot = int(d), 0, [], []
     for x in a:                                   # most significant digit first, like the text
-        q, r = divmod(10 * r + int(x), k)
-        rems.append(str(r))
+        q, r_out = divmod(10 * r + int(x), k)
+        groups.append(f"{x}{r}{q}{r_out}")
         quot.append(str(q))
+        r = r_out
     final = ("".join(quot).lstrip("0") or "0") + "r" + str(r)
-    return "".join(rems) + MARKER + final, final
+    return ",".join(groups) + MARKER + final, final
 
 
 def solve(prompt: str, style: str = "lines") -> Example:
-    """Reference solution of a prompt in `style` (`lines`: add, rev; `columns`: add, div, rev); ValueError for a
+    """Reference solution of a prompt in `style` (`lines`: add, rev; `groups`: add, div, rev); ValueError for a
     prompt that is not one of them."""
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
     if m := _ADD.fullmatch(prompt):
         n = max(len(m[1]), len(m[2]))
-        if style == "columns":
-            return Example(prompt, *solve_add_columns(m[1], m[2]), kind="add", digits=n)
+        if style == "groups":
+            return Example(prompt, *solve_add_groups(m[1], m[2]), kind="add", digits=n)
         return Example(prompt, *solve_add(m[1], m[2]), kind="add", digits=n)
     if m := _REV.fullmatch(prompt):
         return Example(prompt, *solve_rev(m[1]), kind="rev", digits=len(m[1]))
-    if style == "columns" and (m := _DIV.fullmatch(prompt)):
+    if style == "groups" and (m := _DIV.fullmatch(prompt)):
         return Example(prompt, *solve_div(m[1], m[2]), kind="div", digits=len(m[1]))
     raise ValueError(f"not an arith prompt ({style} style): {prompt!r}")
 
@@ -193,11 +192,11 @@ def answer_text(ids: Iterable[int], tokenizer) -> str:
 class ArithTask:
     """A weighted mix of sub-tasks. `mix` maps sub-task -> weight; `add_digits`, `rev_len` and `div_digits` are the
     inclusive (min, max) operand / string lengths, drawn uniformly (the difficulty and length knob); `style` is the
-    answer format of `add` (`lines` or `columns`, see the module docstring; `div` needs `columns`)."""
+    answer format of `add` (`lines` or `groups`, see the module docstring; `div` needs `groups`)."""
 
     def __init__(self, mix: dict[str, float] | None = None, add_digits: Sequence[int] = (1, 6),
                  rev_len: Sequence[int] = (1, 8), test_fraction: float = 0.1, name: str = "arith",
-                 style: str = "lines", div_digits: Sequence[int] = (4, 12)):
+                 style: str = "lines", div_digits: Sequence[int] = (2, 8)):
         if style not in STYLES:
             raise ValueError(f"style must be one of {STYLES}, got {style!r}")
         self.kinds = ("add", "rev") if style == "lines" else ("add", "div", "rev")
@@ -245,7 +244,7 @@ class ArithTask:
     def _draw_class(self, rng: random.Random) -> tuple[str, tuple[int, ...]]:
         kinds = [k for k in self.kinds if self.mix.get(k, 0) > 0]
         kind = rng.choices(kinds, weights=[self.mix[k] for k in kinds])[0]
-        if kind == "add" and self.style == "columns":   # both operands long: n, then n-2..n, in either order
+        if kind == "add" and self.style == "groups":   # both operands long: n, then n-2..n, in either order
             n = rng.randint(*self.add_digits)
             m = rng.randint(max(self.add_digits[0], n - 2), n)
             return kind, ((n, m) if rng.random() < 0.5 else (m, n))
@@ -293,7 +292,7 @@ class ArithTask:
     def grade(self, prompt: str, generated_text: str) -> bool:
         """Exact final answer: the digits right after the first MARKER equal the reference final value."""
         text = generated_text.split("<eos>", 1)[0]
-        m = (_FINAL if self.style == "lines" else _FINAL_COLUMNS).search(text)
+        m = (_FINAL if self.style == "lines" else _FINAL_GROUPS).search(text)
         return m is not None and m[1] == solve(prompt, self.style).final
 
     def length_stats(self, split: str, n: int, block_size: int = 16) -> dict:

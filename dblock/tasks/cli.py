@@ -128,6 +128,9 @@ def add_parser(subparsers):
     t.add_argument("--noisy-context", type=float_arg(0.0, 1.0), default=d.noisy_context,
                    help="probability per example that a block is trained behind a still-noisy predecessor (One "
                         f"Block Ahead's warm-up block; default {d.noisy_context})")
+    t.add_argument("--init-from", default=None, metavar="MODEL",
+                   help="start from this model's weights (a folder or bundled name of the same family and --size) "
+                        "instead of the seeded init: the second stage of a recipe (default: from scratch)")
     t.add_argument("--eval-every", type=int_arg(0, 10_000_000), default=d.eval_every,
                    help=f"held-out accuracy every N steps, stored in the summary (default {d.eval_every}: off)")
     t.add_argument("--eval-n", type=int_arg(1, 100_000), default=d.eval_n,
@@ -172,6 +175,9 @@ def _train(args) -> int:
         raise ValueError("give --steps S or --minutes N")
     check_out_dir(args.out, "--out")
     make_task_from_args(args)  # validate the task before any compute
+    if args.init_from and not args.resume:
+        from dblock.weights import resolve_model_path
+        resolve_model_path(args.init_from)    # a missing model is an error before any folder is made
     cfg = TrainConfig(family=args.family, out=args.out, size=args.size, task=args.task,
                       add_digits=args.add_digits, rev_len=args.rev_len, block_size=args.block_size, seed=args.seed,
                       steps=args.steps, minutes=args.minutes if args.steps is None else None,
@@ -179,7 +185,8 @@ def _train(args) -> int:
                       save_every=args.save_every, threads=args.threads, progress=not args.no_progress,
                       div_digits=args.div_digits, min_lr_frac=args.min_lr_frac,
                       curriculum_steps=args.curriculum_steps, curriculum_start=args.curriculum_start,
-                      noisy_context=args.noisy_context, eval_every=args.eval_every, eval_n=args.eval_n)
+                      noisy_context=args.noisy_context, eval_every=args.eval_every, eval_n=args.eval_n,
+                      init_from=args.init_from)
     summary = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(summary, indent=1))

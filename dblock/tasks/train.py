@@ -111,6 +111,8 @@ class TrainConfig:
     length_chunk: int = 8            # batches of a chunk of this many steps are formed from examples sorted by length
     curriculum_steps: int = 0        # > 0: over the first steps, the task's size maximum grows from curriculum_start
     curriculum_start: int = 2        # (see `task_for_step`); 0 steps: the full task from step 0
+    init_from: Optional[str] = None  # start from this model's weights (a HF folder or bundled name of the same family
+                                     # and size) instead of the seeded init: a second stage of a recipe
     noisy_context: float = 0.0       # probability per example that a block sees its predecessor still noisy (OBA's
                                      # warm-up block; see `noisy_context_mask` and train_uniform.uniform_loss)
     eval_every: int = 0              # > 0: held-out accuracy every this many steps (and at the end), in `evals`
@@ -452,6 +454,8 @@ def reproduce_command(cfg: TrainConfig, total: int) -> str:
         parts += ["--curriculum-steps", str(cfg.curriculum_steps), "--curriculum-start", str(cfg.curriculum_start)]
     if cfg.noisy_context:
         parts += ["--noisy-context", str(cfg.noisy_context)]
+    if cfg.init_from:
+        parts += ["--init-from", cfg.init_from]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -490,6 +494,22 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
         if staged:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+
+
+def init_from_model(model: torch.nn.Module, source: str) -> None:
+    """Copy the weights (and the expert bias) of the model at `source` into `model`; a ConfigError naming the
+    first differing config field when the two are not the same architecture."""
+    from dblock.errors import ConfigError
+    from dblock.weights import load
+    src = load(source)
+    a, b = src.config, model.config
+    for field in ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                  "moe_intermediate_size"):
+        if getattr(a, field, None) != getattr(b, field, None):
+            raise ConfigError(f"--init-from {source}: {field} is {getattr(a, field, None)!r} there, "
+                              f"{getattr(b, field, None)!r} for this run (family and --size must match)")
+    model.load_state_dict(src.state_dict())
 
 
 def _run_folder(out: str, resume: bool, overwrite: bool) -> tuple:
@@ -533,6 +553,8 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
     opt = make_optimizer(model, cfg)
     n_moe = len(model.config.moe_layers)
     loads_acc = torch.zeros(n_moe, model.config.num_experts, dtype=torch.float64)  # EMA (0.99) of the loads
+    if state is None and cfg.init_from:
+        init_from_model(model, cfg.init_from)
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -542,7 +564,8 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
 
     n_params = sum(p.numel() for p in model.parameters())
     log(f"train-tiny: {cfg.family} size={cfg.size} params={n_params:,} task={cfg.task} block={cfg.block_size} "
-        f"batch={cfg.batch_size} seed={cfg.seed} " + (f"resuming at step {step}" if resume else "from scratch"))
+        f"batch={cfg.batch_size} seed={cfg.seed} " + (f"resuming at step {step}" if resume else
+                                                     f"from {cfg.init_from}" if cfg.init_from else "from scratch"))
 
     bar = None
     if cfg.progress:

@@ -8,7 +8,8 @@ import torch
 from dblock.tasks import CharTokenizer, get_task, solve
 from dblock.tasks.train import (TrainConfig, add_noise, batch_for_step, bd3_mask, build_model, diffusion_loss,
                                 draw_warm_blocks, make_task, noisy_context_mask, reproduce_command, rows_for_step,
-                                task_for_step, train)
+                                init_from_model, task_for_step, train)
+from dblock.errors import ConfigError
 from dblock.tasks.train_uniform import noisy_context_draw, uniform_loss
 
 
@@ -50,17 +51,31 @@ def test_curriculum_short_operands_first():
     task = get_task("arith-long")
     cfg = micro_cfg("/unused", curriculum_steps=40, curriculum_start=2, length_chunk=4, batch_size=8)
     caps = [max(r[1] for r in task_for_step(task, cfg, s).sizes().values()) for s in range(0, 44, 4)]
-    assert caps[0] == 4 and caps == sorted(caps) and caps[-1] == 12 and task_for_step(task, cfg, 40) is task
+    assert caps[0] == 2 and caps == sorted(caps) and caps[-1] == 8 and task_for_step(task, cfg, 40) is task
     tok = CharTokenizer()
     early = rows_for_step(task, tok, cfg, 0)
-    assert all(solve(tok.decode(ids[:P]), "columns").digits <= 2 or tok.decode(ids[:P])[-3] == ":" and
-               solve(tok.decode(ids[:P]), "columns").digits == 4 for ids, P in early)   # div starts at 4 digits
+    assert all(solve(tok.decode(ids[:P]), "groups").digits <= 2 for ids, P in early)
     assert rows_for_step(task, tok, cfg, 0) == early                      # a pure function of the step
     assert task_for_step(task, micro_cfg("/unused"), 0) is task           # off by default
     cmd = reproduce_command(TrainConfig(out="x", task="arith-long", curriculum_steps=400, noisy_context=0.25,
                                         min_lr_frac=0.1), 1000)
     assert "--curriculum-steps 400 --curriculum-start 2" in cmd and "--noisy-context 0.25" in cmd
     assert "--min-lr-frac 0.1" in cmd and "--curriculum" not in reproduce_command(TrainConfig(out="x"), 10)
+
+
+def test_init_from_copies_weights_and_refuses_another_size(tmp_path):
+    a = tmp_path / "a"
+    train(micro_cfg(a, steps=2), log=lambda *_: None)
+    cfg = micro_cfg(tmp_path / "b", steps=1, init_from=str(a))
+    model = build_model(cfg)
+    init_from_model(model, str(a))
+    trained = _state(a)["model"]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+    assert not torch.equal(build_model(cfg).state_dict()["embed.weight"],
+                           trained["embed.weight"])             # not the seeded init
+    assert "--init-from " + str(a) in reproduce_command(cfg, 1)
+    with pytest.raises(ConfigError, match="hidden_size"):
+        init_from_model(build_model(micro_cfg(tmp_path / "c", size="base")), str(a))
 
 
 def test_noisy_context_mask_rule():
