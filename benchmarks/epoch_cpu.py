@@ -21,7 +21,7 @@ MoE region allocates for the rows it computes); requests whose whole output equa
 tiny-masked. Medians of the repeats.
 
 Before the repeats each cell measures its own per-machine path profile (`dblock.optimized.plan.PathModel`, docs/
-algorithms.md §4.1): m = the routed-expert share of a dense reference pass (MoE time minus the shared expert's),
+algorithms.md §4.1): m = the MoE share of a dense reference pass (router, routed and shared experts),
 o = the epoch path's extra cost at f = 1 over the dense path (full_compute, and no_lsp for the Atlas), on short
 decodes of the cell's own batch; the Epoch configurations run with it (`--path-model cost` uses the roofline cost
 model instead).
@@ -194,7 +194,8 @@ def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
 
 def calibrate(model, prompts, dec, repeats: int) -> dict:
     """The cell's per-machine path profiles (`PathModel`, docs/algorithms.md §4.1), from short interleaved decodes
-    of its own prompts (one block): m = the dense reference's routed-expert share of a pass; o = what the epoch
+    of its own prompts (one block): m = the dense reference's MoE share of a pass (router, routed and shared
+    experts: all of it follows the fresh rows); o = what the epoch
     path adds at f = 1 over the dense path, without (full_compute) and with (no_lsp) the Expert Atlas."""
     short = dec.replace(max_new_tokens=model.config.block_size)
     runs = {k: [] for k in ("dense", "fc_dense", "fc_epoch", "atlas_epoch")}
@@ -205,7 +206,7 @@ def calibrate(model, prompts, dec, repeats: int) -> dict:
         runs["atlas_epoch"].append(run_config("no_lsp", model, prompts, short, path="epoch"))
     med = {k: statistics.median(r["cpu_per_pass"] for r in v) for k, v in runs.items()}
     d = runs["dense"]
-    m = statistics.median((r["moe_per_pass"] - r["shared_per_pass"]) / r["cpu_per_pass"] for r in d)
+    m = statistics.median(r["moe_per_pass"] / r["cpu_per_pass"] for r in d)
     o_plain = max(0.0, med["fc_epoch"] / med["fc_dense"] - 1.0)
     o_atlas = max(0.0, med["atlas_epoch"] / med["fc_dense"] - 1.0)
     src = f"measured ({repeats} short runs of the cell)"

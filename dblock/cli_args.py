@@ -340,7 +340,8 @@ def add_executor_args(p):
     g.add_argument("--atlas-q", type=float_arg(0.0, 1.0), default=None,
                    help="Expert Atlas covered-token quota q in [0, 1] (default 0.95)")
     g.add_argument("--update-every", type=int_arg(1, MAX_STEPS), default=None,
-                   help="Expert Atlas hot-update period in passes (default 4)")
+                   help="Expert Atlas rebuild period: a support is rebuilt on the first all-fresh (refresh) pass at "
+                        "least this many passes after its last build (default 4)")
     g.add_argument("--atlas-m", type=int_arg(0, MAX_STEPS), default=None,
                    help="Expert Atlas extra candidates per token (default K)")
     g.add_argument("--atlas-B", type=int_arg(1, MAX_STEPS), default=None,

@@ -9,9 +9,10 @@ carries none of it:
                      its build (success, |U_l|, when), the routed (row, expert) pairs outside the support (none for a
                      block that took the dense path: it routes its rows with every expert, the plain router's result
                      exactly), the block's path this pass (`pass_path`: epoch | dense); and, while
-                     `taps` is a dict (the shadow sets it per call), per MoE layer "routed" (the routed-expert output
-                     of every row after the cache merge, before the shared expert, (B, L, H)) and "moe_in" (the
-                     normed MoE input, (B, L, H))
+                     `taps` is a dict (the shadow sets it per call), per MoE layer "routed" (every row's MoE output
+                     after the cache merge minus the shared expert of its current input, (B, L, H): the reference's
+                     routed tap plus exactly the MoE output's difference, since the cache serves routed and shared
+                     output together) and "moe_in" (the normed MoE input, (B, L, H))
   _segment_logits    `audit_heads`: one record per (pass, block) — its live rows and the rows the LM head ran for
 
 Deliberate faults for the checker's self-check (`dblock verify --inject-fault`) are further overrides of other
@@ -84,7 +85,8 @@ class AuditedEpochExecutor(EpochExecutor):
     def _tap_layer(self, c: LayerCall) -> None:
         B, L, H = c.xn_BLH.shape
         full = torch.zeros(B * L, H, dtype=c.xn_BLH.dtype, device=c.xn_BLH.device)
-        full[c.R.flat] = c.y_TH
+        y_TH = c.y_TH if c.moe.shared is None else c.y_TH - c.moe.shared(c.x_TH)
+        full[c.R.flat] = y_TH.to(full.dtype)
         self.taps.setdefault("routed", []).append(full.view(B, L, H))
         self.taps.setdefault("moe_in", []).append(c.xn_BLH)
 

@@ -12,10 +12,10 @@ Per denoising call, for every in-flight block of every request (a *block plan* e
     cache stays coherent. A call whose blocks all chose dense runs the literal dense path (`_all_fresh`);
     otherwise the dense blocks ride inside the epoch path (`Rows.dense`). Both run the same per-row expert
     arithmetic (`EpochConfig.grouped_mm` off), so a request's tokens do not depend on its batch;
-  * per MoE layer: shared expert, attention, norms and residuals on all rows; the routed experts only on the fresh
-    rows of the whole batch, compacted into one buffer, routed with the model's rule restricted to the block's
+  * per layer: attention, norms and residuals on all rows; the MoE block (routed and shared experts) only on the
+    fresh rows of the whole batch, compacted into one buffer, routed with the model's rule restricted to the block's
     expert support S_l (the plain rule when no block of the call has a restricted support), run through FreshLane;
-    stable decoded rows take their cached routed output;
+    stable decoded rows take their cached MoE output (routed + shared);
   * the LM head only for live rows (the Forward protocol returns nothing else).
 Prefill and append passes write exact K/V for committed tokens, so they run the dense path.
 
@@ -30,7 +30,7 @@ The MoE region of one layer (`EpochExecutor._moe`) is a pipeline of named steps 
   supports        `_supports_due`, `_build_supports`   Expert Atlas (re)builds S_l for the blocks that are due
                                      (docs/algorithms.md §4.2)
   compact         `_compact`         the fresh rows of the whole batch into one (F, H) buffer
-  router          `_router_logits`   router logits of the fresh rows (a building block's rows: in `_build_supports`)
+  router          `_router_logits`   router logits of the fresh rows (a building block's rows are all among them)
   path counters   `_count_paths`
   route           `_route`           the model's rule restricted to each row's `_routing_support`
   experts         `_run_experts`     FreshLane (docs/algorithms.md §4.4): the dispatcher hands the rows to the
@@ -39,10 +39,11 @@ The MoE region of one layer (`EpochExecutor._moe`) is a pipeline of named steps 
                                      row with one index_add (in torch `freshlane.grouped_swiglu_torch`; the Triton
                                      stack's grouped_mlp_triton); with expert parallelism dispatch and combine cross
                                      ranks
+  shared expert   `_add_shared`      the shared expert on the fresh rows, added to their routed output
   scatter         `_scatter`         fresh outputs back among the T rows
   serve           `_serve_cached`    stable decoded rows from the decoded-output cache (docs/algorithms.md §4.3)
   write           `_write_cache`     the fresh `_rows_to_write` into the cache (one scatter of values and stamps)
-  output          `_layer_output`    + shared expert, back to the padded layout, the layer's statistics record
+  output          `_layer_output`    back to the padded layout, the layer's statistics record
 After the last layer, per segment: `_head_rows` (its live rows) -> `_segment_logits` (the LM head for them).
 Statistics cost no host synchronisation in the hot path: per-layer records keep tensors and are read once, when
 `last_pass_stats()` / `stats()` / `age_hist` are asked for.
@@ -195,12 +196,12 @@ class LayerCall:
     idx_F: Optional[torch.Tensor] = None          # fresh rows, in order (_compact)
     x_FH: Optional[torch.Tensor] = None
     logits_FE: Optional[torch.Tensor] = None      # router logits of the fresh rows (_router_logits)
-    routed_rows: int = 0                          # router-logit rows computed (fresh + building blocks' rows)
+    routed_rows: int = 0                          # router-logit rows computed (the fresh rows)
     ids_FK: Optional[torch.Tensor] = None         # routed experts of the fresh rows (-1 = none) (_route)
     w_FK: Optional[torch.Tensor] = None           # their routing weights
-    y_FH: Optional[torch.Tensor] = None           # routed-expert output of the fresh rows (_run_experts)
+    y_FH: Optional[torch.Tensor] = None           # MoE output of the fresh rows (_run_experts, _add_shared)
     comm: Any = None                              # what the dispatcher moved (CommStats / EPStats)
-    y_TH: Optional[torch.Tensor] = None           # routed-expert output of every row (_scatter, _serve_cached)
+    y_TH: Optional[torch.Tensor] = None           # MoE output of every row (_scatter, _serve_cached)
 
     @property
     def T(self) -> int:
@@ -383,13 +384,14 @@ class EpochExecutor(Forward):
             self._all_fresh(c)
         else:
             self._check_cache(c)
-            c.build = self._supports_due(c)
             self._compact(c)
+        c.build = self._supports_due(c)
         self._router_logits(c)
         self._build_supports(c)
         self._count_paths(c)
         self._route(c)
         self._run_experts(c)
+        self._add_shared(c)
         self._scatter(c)
         self._serve_cached(c)
         self._write_cache(c)
@@ -400,7 +402,8 @@ class EpochExecutor(Forward):
         return c.R.fresh.clone()
 
     def _all_fresh(self, c: LayerCall) -> None:
-        """The dense path: every row through the experts, none served, no support built or used."""
+        """The dense path: every row through the experts, none served, no support used (a due block still builds
+        its support, `_supports_due`)."""
         c.idx_F = torch.arange(c.T)
         c.x_FH = c.x_TH
         c.idx_S, c.age_S = _EMPTY_IDX, _EMPTY_IDX
@@ -445,17 +448,27 @@ class EpochExecutor(Forward):
         c.paths["fallback"] += 1
 
     def _supports_due(self, c: LayerCall) -> list:
-        """Plans whose support is (re)built this pass: cold / fallback passes, and every `update_every` passes."""
+        """Plans whose support is (re)built this pass. A build reads the router scores of every row of the block,
+        so it happens only where all of them are fresh at this layer anyway (cold, refresh and fallback passes, or
+        a layer that fell back): on the cold pass, after a fallback, on the first such pass of a block that has no
+        support yet (it was on the dense path before), and on the first such pass at least `update_every` passes
+        after the last build. Hot passes never build (no extra router rows). A block on the dense path this pass
+        (every all-fresh pass is, when the cost model finds nothing to skip) still builds when due: it routes with
+        every expert now and with the support from its next epoch pass."""
         if not self.ecfg.atlas or self.ap.B >= self.config.num_experts:
             return []                   # B >= E: the initial support is every expert, nothing to build
         due = []
         for p, plan in enumerate(c.R.plans):
-            if c.R.dense_P[p]:          # a dense block builds nothing this pass (it does on its next epoch pass)
-                continue
+            if c.R.dense_P[p] and not self.ecfg.lsp:
+                continue                # without LSP every pass is all-fresh, so dense: a support would never be used
             lp = plan.layer(c.li)
-            if (lp.support is None and lp.built_at < 0) or plan.path in ("cold", "fallback") or \
-                    plan.passes - lp.built_at >= self.ap.update_every:
-                due.append(p)
+            if not (lp.built_at < 0 or plan.path in ("cold", "fallback") or
+                    plan.passes - lp.built_at >= self.ap.update_every):
+                continue
+            if plan.path == "hot" and not c.dense and not c.R.dense_P[p] and \
+                    not bool(c.fresh_T[c.R.plan_rows[p]].all()):
+                continue                # some rows are served: wait for the block's next all-fresh pass
+            due.append(p)
         return due
 
     def _compact(self, c: LayerCall) -> None:
@@ -468,20 +481,20 @@ class EpochExecutor(Forward):
             c.x_FH = self.stages.compact(c.x_TH, c.idx_F.to(c.x_TH.device))
 
     def _router_logits(self, c: LayerCall) -> None:
-        """Router logits of the fresh rows (a building block's rows get theirs again in `_build_supports`)."""
+        """Router logits of the fresh rows (a building block's rows are among them)."""
         c.logits_FE = c.moe.router_logits(c.x_FH)
         c.routed_rows = c.x_FH.shape[0]
 
     def _build_supports(self, c: LayerCall) -> None:
-        """Expert Atlas: the router logits and candidates of every building block's rows in one call each (the
-        build needs the scores of all of a block's rows, 2·H·E FLOPs a row), then one batched greedy build
+        """Expert Atlas: the candidates of every building block's rows in one call (their router logits are among the
+        fresh rows': a block builds only when all its rows are fresh, `_supports_due`), then one batched greedy build
         (`atlas.build_supports`: each block's support is the one it would get alone)."""
         if not c.build:
             return
         R = c.R
         rows_G = torch.cat([R.plan_rows[p] for p in c.build])
-        logits_GE = c.moe.router_logits(c.x_TH.index_select(0, rows_G.to(c.x_TH.device)))
-        c.routed_rows += rows_G.numel()
+        pos_G = torch.searchsorted(c.idx_F, rows_G)                        # idx_F is sorted and holds rows_G
+        logits_GE = c.logits_FE.index_select(0, pos_G.to(c.logits_FE.device))
         w_GJ, id_GJ, mass_G = (t.cpu() for t in candidates(logits_GE, c.moe.expert_bias, self.config, self.ap.m))
         lens = [R.plan_rows.lens[p] for p in c.build]
         for p, res in zip(c.build, build_supports(w_GJ, id_GJ, mass_G, lens, self.config.num_experts, self.ap)):
@@ -573,6 +586,15 @@ class EpochExecutor(Forward):
         ids_TK[idx_O], w_TK[idx_O] = ids_OK.to(ids_TK.device), w_OK.to(w_TK.device)
         return {"x_all": c.x_TH, "ids_all": ids_TK, "w_all": w_TK, "idx_fresh": c.idx_F}
 
+    def _add_shared(self, c: LayerCall) -> None:
+        """The shared expert on the fresh rows, added to their routed output: the MoE block's output of a fresh row,
+        what the cache keeps for it (a stable row's shared expert is served from the cache with its routed
+        experts, under the same age bound)."""
+        y_FH = c.y_FH.to(c.x_FH.dtype)                  # the dispatcher's own buffer (or a cast copy)
+        if c.moe.shared is not None:
+            y_FH.add_(c.moe.shared(c.x_FH))
+        c.y_FH = y_FH
+
     def _scatter(self, c: LayerCall) -> None:
         """The fresh rows' outputs back to their places among the T rows (others zero) -> y_TH."""
         y_FH = c.y_FH.to(c.x_TH.dtype)
@@ -582,7 +604,7 @@ class EpochExecutor(Forward):
             c.y_TH = self.stages.scatter(y_FH, c.idx_F.to(y_FH.device), c.T)
 
     def _serve_cached(self, c: LayerCall) -> None:
-        """Stable decoded rows take their cached routed output; their ages go to the age histogram (folded when
+        """Stable decoded rows take their cached MoE output (routed + shared experts); their ages go to the age histogram (folded when
         read)."""
         if c.idx_S.numel():
             dev = c.y_TH.device
@@ -594,7 +616,7 @@ class EpochExecutor(Forward):
         return c.fresh_T & c.R.decoded
 
     def _write_cache(self, c: LayerCall) -> None:
-        """Write the routed outputs of `_rows_to_write`, stamped with pass, token and plan version (one scatter of
+        """Write the MoE outputs (routed + shared) of `_rows_to_write`, stamped with pass, token and plan version (one scatter of
         values and one of stamps)."""
         idx_W = self._rows_to_write(c).nonzero(as_tuple=True)[0]
         if idx_W.numel():
@@ -602,11 +624,9 @@ class EpochExecutor(Forward):
             self.arena.write(c.li, R.slot[idx_W], c.y_TH.index_select(0, idx_W.to(c.y_TH.device)), R.stamp[idx_W])
 
     def _layer_output(self, c: LayerCall) -> torch.Tensor:
-        """Routed + shared expert back in the padded (B, L, H) layout; the layer's statistics record."""
+        """The MoE output back in the padded (B, L, H) layout; the layer's statistics record."""
         B, L, H = c.xn_BLH.shape
-        y_TH = c.y_TH
-        if c.moe.shared is not None:                     # y_TH is this call's own buffer (_scatter): add in place
-            y_TH = y_TH.add_(c.moe.shared(c.x_TH)) if y_TH.dtype == c.x_TH.dtype else y_TH + c.moe.shared(c.x_TH)
+        y_TH = c.y_TH.to(c.xn_BLH.dtype)
         if c.R.padded:
             out = torch.zeros(B * L, H, dtype=c.xn_BLH.dtype, device=c.xn_BLH.device)
             out.index_copy_(0, c.R.flat.to(out.device), y_TH)

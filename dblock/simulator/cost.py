@@ -23,7 +23,7 @@ Shapes (per layer; N = rows in the pass, H hidden, D head dim, nH/nKV heads, E e
                             tiles where current-block queries meet warm-up keys: C(L+C) + C(L+2C) instead of 2C(L+2C)
     KV reads                Σ visible keys · 2·nKV_rank·D·bytes (nKV_rank = max(1, nKV / tp): heads replicate)
     dense FFN               6·N·H·I_dense / tp
-    router                  2·N·H·E / sp (fp32 scores), routing stream N·E·4·3 / sp
+    router                  2·N_moe·H·E / sp (fp32 scores), routing stream N_moe·E·4·3 / sp
     MoE pairs               P = N_moe·K, N_moe = N (dense) or fresh rows (Epoch LSP)
     experts touched         S·(1 − (1 − K/S)^N_moe) of the eligible S = support_frac·E (uniform routing, K distinct
                             experts per token); rows per expert m = P / touched
@@ -31,12 +31,13 @@ Shapes (per layer; N = rows in the pass, H hidden, D head dim, nH/nKV heads, E e
                             3·H·I·bytes·touched / ep
     dispatch/combine        per direction N_moe/sp · ranks_per_token · (ep − 1)/ep · H · bytes, ranks_per_token =
                             ep·(1 − (1 − 1/ep)^K) (DeepEP sends a token once per destination rank)
-    shared expert           6·N·H·I·n_shared / tp
+    shared expert           6·N_moe·H·I·n_shared / tp
     LM head                 2·rows_lm·H·V / tp, rows_lm = all in-flight rows (dense) or live rows (Epoch)
     TP collectives          one all-reduce-equivalent (reduce-scatter + all-gather under SP) per sub-block of
                             N·H·bytes: latency + 2(tp − 1)/tp · bytes / busbw
 
-Epoch (docs/algorithms.md §4) changes only: N_moe = fresh rows; experts eligible = the atlas support; rows_lm = live rows; plus a
+Epoch (docs/algorithms.md §4) changes only: N_moe = fresh rows (router, routed and shared experts: a stable row's whole
+MoE output is served from the cache); experts eligible = the atlas support; rows_lm = live rows; plus a
 count-exchange all-to-all per MoE layer (latency floor) and the decoded-output cache merge (stream bytes).
 
 Memory per rank: weights, KV cache (batch · max_context keys), and the peak activations of a pass, including the
@@ -250,7 +251,7 @@ def pass_cost(cfg: ModelConfig, shape: PassShape, hw: Hardware, par: Parallel = 
     touched = S * (1.0 - (1.0 - min(1.0, K / S)) ** n_fresh) if P > 0 else 0.0
     m = P / touched if touched else 0.0
     knee = hw.eff.gemm_knee_rows
-    t_router = _roof(2 * N * H * E / sp, (E * H * 4) + N * E * 4 * 3 / sp, hw, dtype)
+    t_router = _roof(2 * n_fresh * H * E / sp, (E * H * 4) + n_fresh * E * 4 * 3 / sp, hw, dtype)
     f_exp = 6 * H * I * max(m, knee) * touched / ep if P else 0.0
     w_exp = 3 * H * I * wbytes * touched / ep
     t_exp = _roof(f_exp, w_exp, hw, dtype) if P else 0.0
@@ -259,7 +260,7 @@ def pass_cost(cfg: ModelConfig, shape: PassShape, hw: Hardware, par: Parallel = 
     t_disp = 2 * _a2a(a2a_bytes, ep, hw)                     # dispatch + combine
     t_perm = _roof(0, 4 * P / max(ep, sp) * H * abytes, hw)  # permute, unpermute, weighted sum
     ns = cfg.num_shared_experts
-    t_shared = _roof(6 * N * H * I * ns / tp, 3 * H * I * ns * wbytes / tp, hw, dtype) if ns else 0.0
+    t_shared = _roof(6 * n_fresh * H * I * ns / tp, 3 * H * I * ns * wbytes / tp, hw, dtype) if ns else 0.0
     t_moe_coll = _allreduce(N * H * abytes, tp, hw) if ep == 1 else 0.0   # EP combine replaces the TP reduce
     extra = 0.0
     if epoch:

@@ -215,3 +215,44 @@ def test_zero_fresh_rows_in_a_pass():
     d.step()                          # all rows stable -> zero fresh rows
     assert all(s["fresh"] == 0 for s in d.f.last_pass_stats()["layers"])
     assert all(s["cached"] == 8 for s in d.f.last_pass_stats()["layers"])
+
+
+def test_shared_expert_runs_on_fresh_rows_and_is_cached_with_the_routed_output():
+    """LSP caches a stable row's whole MoE output: the shared expert sees only the fresh rows, and the cache holds
+    routed + shared (here the reference's MoE output of the pass that wrote it, every row being fresh then)."""
+    d = Driver()
+    layers = d.m.config.moe_layers
+    shared_rows, ref_out = [], {}
+    hooks = [d.m.layers[li].mlp.shared.register_forward_hook(lambda mod, a, out: shared_rows.append(a[0].shape[0]))
+             for li in layers]
+    hooks += [d.m.layers[li].mlp.register_forward_hook(lambda mod, a, out, li=li: ref_out.__setitem__(li, out))
+              for li in layers]                     # only the reference calls the MoE module itself
+    try:
+        d.step()
+        d.decode([0, 1, 2])
+        d.step()                                    # rows 0-2 newly decoded: fresh, written with their MoE output
+        for li in layers:
+            got = d.f.plan_cache(d.plan(), li).values[:3]
+            torch.testing.assert_close(got, ref_out[li][0, :3].to(got.dtype), **tol(torch.float64))
+        d.decode([3])
+        shared_rows.clear()
+        d.step()                                    # rows 0-2 served
+        st = d.f.last_pass_stats()["layers"]
+        assert [s["cached"] for s in st] == [3] * len(layers)
+        n = len(layers)                             # the epoch pass's layers, then the reference's (all 8 rows)
+        assert shared_rows[:n] == [s["fresh"] for s in st] == [5] * n and shared_rows[n:] == [8] * n
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_supports_are_built_only_where_every_row_of_the_block_is_fresh():
+    """A build reads every row's router scores; it happens only on passes where the router runs for all of the
+    block's rows anyway (all fresh: cold, refresh, fallback; or the block on the dense path), reusing those logits."""
+    m = make_tiny_model("llada2_moe", seed=6, num_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2)
+    f = audited_epoch_forward(m, "epoch", refresh=3, update_every=2)
+    generate(f, prompts(5, seed=4), DecodeConfig(max_new_tokens=40))
+    built = [a for a in f.audit if a["built_at"] == a["plan_pass"]]
+    assert any(a["plan_pass"] > 0 for a in built), "no rebuild after the cold pass: the test would prove nothing"
+    assert all(a["pass_path"] == "dense" or a["fresh"] == a["N"] and a["path"] != "hot" for a in built)
+    assert any(a["path"] == "hot" and a["support"] is not None and len(a["support"]) < 16 for a in f.audit)
