@@ -55,8 +55,9 @@ def models(batch: int, max_new: int):
         from dblock.tasks.evaluate import TokenizerAdapter
         m = dblock.load("tiny-masked")
         tok = TokenizerAdapter.from_folder(m.source)
-        exs = get_task("arith-small").examples("test", batch)
-        out.append(("tiny-masked (arith-small prompts, E=16 K=4, C=16)", "tiny-masked", [tok.encode(e.prompt) for e in exs],
+        from dblock.tasks.card import task_of
+        exs = get_task(task_of("tiny-masked")).examples("test", batch)
+        out.append((f"tiny-masked ({task_of('tiny-masked')} prompts, E=16 K=4, C=16)", "tiny-masked", [tok.encode(e.prompt) for e in exs],
                     max_new, m.config.num_experts_per_tok))
     return out
 

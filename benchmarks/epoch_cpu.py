@@ -81,13 +81,14 @@ def load_model(name: str):
 
 
 def prompts_for(name, model, batch, rule="threshold", max_new=None):
-    """(prompt ids, grading or None, DecodeConfig). tiny-masked: held-out arith-small problems, 128 new tokens;
+    """(prompt ids, grading or None, DecodeConfig). tiny-masked: held-out problems of its card task, 128 new tokens;
     mini-scaled: random prompts of 8-23 tokens, 64 new tokens (two blocks)."""
     if name == "tiny-masked":
         from dblock.tasks import get_task
         from dblock.tasks.evaluate import TokenizerAdapter
         tok = TokenizerAdapter.from_folder(model.source)
-        task = get_task("arith-small")
+        from dblock.tasks.card import task_of
+        task = get_task(task_of("tiny-masked"))
         exs = task.examples("test", batch)
         return [tok.encode(e.prompt) for e in exs], (task, tok, exs), _dec(model, max_new or 128, rule)
     g = torch.Generator().manual_seed(batch)
@@ -294,8 +295,8 @@ def markdown(rows, meta) -> str:
            "Models: `mini-scaled`, a random llada2_moe shaped like LLaDA2.0-mini scaled down so that the MoE path "
            "dominates a pass (E = 64, top-8, 8 groups keep 4, one shared expert, H = 256, I = 128, C = 32; random "
            "prompts, 64 new tokens) under fixed-k decoding with steps = C (one position per pass, where blocks live C "
-           "passes and LSP has the most to skip), and the bundled `tiny-masked` (E = 16, top-4, C = 16; arith-small "
-           "held-out problems, 128 new tokens) under the threshold rule (τ = 0.95). Columns: TPS on the thread-CPU "
+           "passes and LSP has the most to skip), and the bundled `tiny-masked` (E = 16, top-4, C = 16; held-out "
+           "problems of its card task, 128 new tokens) under the threshold rule (τ = 0.95). Columns: TPS on the thread-CPU "
            "clock and its ratio to dense; MoE share of the pass; f, the fresh-row fraction (rows the block plans send "
            "through the routed experts / rows); dense calls, the share of calls the cost rule of docs/algorithms.md "
            "§4.1 sent down the dense path (m·(1 − f) ≤ o, with the cell's measured path profile); MoE time / "

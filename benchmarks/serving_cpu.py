@@ -34,6 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dblock.serving import loadgen as lg  # noqa: E402
+from dblock.tasks import BUNDLED_TASK  # noqa: E402
 
 CONFIGS = {"ref-native": ("reference", "native"), "ref-oba": ("reference", "oba"),
            "epoch-native": ("epoch", "native"), "epoch-oba": ("epoch", "oba")}
@@ -115,7 +116,7 @@ def run_all(args) -> dict:
             for k, rate in enumerate(rates):
                 seed = args.seed + 1000 * k + 100_000 * rep
                 arrivals = lg.poisson_arrivals(rate, args.duration, seed)          # same arrivals for every config
-                prompts = lg.load_prompts("task:arith-small", len(arrivals), seed)      # and the same prompts
+                prompts = lg.load_prompts(f"task:{BUNDLED_TASK}", len(arrivals), seed)  # and the same prompts
                 for j in range(len(names)):
                     name = names[(j + k + rep) % len(names)]
                     la0 = loadavg()
@@ -362,7 +363,7 @@ def report(data: dict, sim: dict | None) -> str:
     reps = data.get("repeats", 1)
     L = [f"Machine: {data['machine']}; model {data['model']} (weights sha256 {data.get('checkpoint_sha256_16')}…); "
          f"batch cap {data['batch_cap']}; max_tokens {data['max_tokens']}; {data['duration']:g} s of Poisson arrivals "
-         f"per run, {reps} repetition(s) per (configuration, rate), medians shown; prompts task:arith-small (test split).",
+         f"per run, {reps} repetition(s) per (configuration, rate), medians shown; prompts task:{BUNDLED_TASK} (test split).",
          "", "| config | rate (req/s) | ok/sent | tok/s | TTFT P50 (s) | TTFT P95 (s) | ITL P50 (ms) | ITL P95 (ms) "
          "[range] | ITL P99 (ms) | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in data["servers"]:

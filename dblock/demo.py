@@ -1,6 +1,6 @@
 """`make demo` / `dblock demo`: the main job.
 
-On the bundled trained models it answers held-out problems of the `arith-small` task under every executor and schedule
+On the bundled trained models it answers held-out problems of their task (`arith-long`, from their card.json) under every executor and schedule
 that exists and prints one compact table: model × executor × schedule → accuracy, TPF, TPS, passes per block, and
 the TPS ratio over the reference dense Native row of the same model, **predicted and measured side by side**:
 
@@ -88,12 +88,12 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
     from dblock.optimized.executor import epoch_forward
     from dblock.simulator import measure
     from dblock.tasks import answer_text, get_task
+    from dblock.tasks.card import task_of
     from dblock.tasks.evaluate import TokenizerAdapter
 
     from tqdm import tqdm
 
     t0 = time.perf_counter()
-    task = get_task("arith-small")   # what the bundled models are trained on (see their card.json)
     rows = []
     names = [m for m in dict.fromkeys(p[0] for p in PLAN) if m in bundled]
     # one step per decoding run; on stderr, shown on a terminal (or with DBLOCK_PROGRESS=1), never in --json output
@@ -105,6 +105,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
         model = dblock.load(name)
         family = model.config.family
         tok = TokenizerAdapter.from_folder(model.source)
+        task = get_task(task_of(name))   # what the model was trained on (its card.json)
         k = n or N_PROBLEMS.get(name, 16)
         probs = task.examples("test", k)
         prompts = [tok.encode(e.prompt) for e in probs]
@@ -282,7 +283,9 @@ def _profile_for(name: str, model, path: str | None, quiet: bool):
 
 
 def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
-    print(f"dblock demo: held-out arith-small problems on the bundled models ({', '.join(bundled)})\n")
+    from dblock.tasks.card import task_of
+    tasks = ", ".join(dict.fromkeys(task_of(b) for b in bundled))
+    print(f"dblock demo: held-out {tasks} problems on the bundled models ({', '.join(bundled)})\n")
     hdr = (f"{'model':<13} {'executor':<12} {'schedule':<16} {'acc':>5} {'TPF':>5} {'TPS':>8} {'pass/blk':>8}  "
            f"{'TPS ratio: predicted':>21}  {'measured [band]':>20}  verdict")
     print(hdr)

@@ -11,6 +11,7 @@ import sys
 from dblock.cli_args import (add_decode_args, add_executor_args, add_model_args, check_fits, check_out_file,
                              check_stops, decode_config, float_arg, int_arg, load_model, load_tokenizer, make_forward,
                              model_config, port_arg, positions_needed, schedule_from_args, seed_arg)
+from dblock.tasks import BUNDLED_TASK
 
 API_KEY_ENV = "DBLOCK_API_KEY"
 
@@ -82,8 +83,9 @@ def add_parser(subparsers) -> None:
                     help="seconds of arrivals per rate (default 10)")
     lg.add_argument("--replay", default=None, metavar="FILE",
                     help="replay arrival times from a file (times per line, JSON list, loadgen JSON, engine trace)")
-    lg.add_argument("--prompts", default="task:arith-small",
-                    help="task:NAME (test split), file:PATH, or ids:1,2,3;4,5 (default task:arith-small)")
+    lg.add_argument("--prompts", default=f"task:{BUNDLED_TASK}",
+                    help="task:NAME (test split), file:PATH, or ids:1,2,3;4,5 (default task:"
+                         f"{BUNDLED_TASK}, the bundled models' task)")
     lg.add_argument("--token-ids", action="store_true",
                     help="send task/file prompts as character-tokenizer ids (servers without tokenizer.json)")
     lg.add_argument("--max-tokens", type=int_arg(1, 1 << 24), default=64, help="max_tokens per request (default 64)")

@@ -93,8 +93,8 @@ def load_prompts(spec: str, n: int, seed: int = 0, token_ids: bool = False) -> l
         return []
     kind, _, arg = spec.partition(":")
     if kind == "task":
-        from dblock.tasks import get_task
-        exs = get_task(arg or "arith-small").examples("test", min(n, 500))
+        from dblock.tasks import BUNDLED_TASK, get_task
+        exs = get_task(arg or BUNDLED_TASK).examples("test", min(n, 500))
         base = [e.prompt for e in exs]
     elif kind == "file":
         try:

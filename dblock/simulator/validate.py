@@ -32,12 +32,18 @@ from dblock.simulator import batch, measure
 from dblock.simulator.profile import QUANTILES, Profile, ProfiledCost
 
 
+def plan_task(plan, model: str) -> str:
+    """The task a plan's prompts come from: its own, else the model's card task."""
+    from dblock.tasks.card import task_of
+    return plan.task or task_of(model)
+
+
 @dataclass
 class Plan:
     """What `validate` runs (defaults: the bundled tiny-masked model, about 40 s on 2 busy cores)."""
 
     model: str = "tiny-masked"
-    task: str = "arith-small"
+    task: str = ""                    # "" = the model's card task
     n: int = 32                       # problems per run
     max_new_tokens: int = 128
     repeats: int = 3
@@ -163,7 +169,7 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
             from dblock.optimized.executor import epoch_forward
             return epoch_forward(m, "epoch")
     tok = TokenizerAdapter.from_folder(m.source)
-    prompts = [tok.encode(e.prompt) for e in get_task(plan.task).examples("test", plan.n)]
+    prompts = [tok.encode(e.prompt) for e in get_task(plan_task(plan, plan.model)).examples("test", plan.n)]
     C = m.config.block_size
     dec = DecodeConfig(max_new_tokens=plan.max_new_tokens, seed=plan.seed)
     dec_nc = DecodeConfig(max_new_tokens=plan.max_new_tokens, seed=plan.seed, no_cache=True)
@@ -266,7 +272,7 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
                             _spread(vals), f"batch cap {plan.batch_cap}, {plan.serve_requests} requests"))
     if plan.alpha_model and not forward_given:
         rows += alpha_rows(plan, progress=say)
-    meta = dict(model=plan.model, task=plan.task, n=plan.n, repeats=plan.repeats, profile=profile.meta, drift=drift,
+    meta = dict(model=plan.model, task=plan_task(plan, plan.model), n=plan.n, repeats=plan.repeats, profile=profile.meta, drift=drift,
                 inputs="operator profile + counters of one Native reference run (no decoding times)",
                 timer="thread CPU time", seconds=time.perf_counter() - t_start)
     return Report(rows, meta)
@@ -295,7 +301,8 @@ def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]]
     say = progress or (lambda s: None)
     m = model if model is not None else dblock.load(plan.alpha_model)
     tok = TokenizerAdapter.from_folder(m.source)
-    prompts = [tok.encode(e.prompt) for e in get_task(plan.task).examples("test", plan.alpha_n)]
+    prompts = [tok.encode(e.prompt) for e in get_task(plan_task(plan, plan.alpha_model)).examples("test",
+                                                                                               plan.alpha_n)]
     dec = DecodeConfig(max_new_tokens=plan.max_new_tokens,
                        rule="entropy-bound" if m.config.family == "diffusion_gemma" else "threshold")
     fwd = reference_forward(m)

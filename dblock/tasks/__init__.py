@@ -16,6 +16,10 @@ from .tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID, CharTokenizer
 
 Task = ArithTask
 
+# The task the bundled tiny models are trained on (their card.json records it; tests/tasks/test_model_cards.py checks
+# the two agree). Defaults that need no model at hand (loadgen prompts, benchmarks) use it.
+BUNDLED_TASK = "arith-long"
+
 _FIXED = {"arith": None, "arith-add": {"add": 1.0}, "arith-rev": {"rev": 1.0}}
 _VARIANTS = {"arith-small": dict(mix=None, add_digits=(1, 4), rev_len=(1, 6)),
              "arith-long": dict(mix={"add": 3.0, "div": 2.0, "rev": 1.0}, add_digits=(1, 8), div_digits=(2, 8),
@@ -40,5 +44,5 @@ def get_task(name: str, **kwargs) -> ArithTask:
                      "'arith-long:add=W,div=W,rev=W'")
 
 
-__all__ = ["ArithTask", "BOS_ID", "CharTokenizer", "EOS_ID", "Example", "MARKER", "MASK_ID", "PAD_ID", "Task",
+__all__ = ["ArithTask", "BOS_ID", "BUNDLED_TASK", "CharTokenizer", "EOS_ID", "Example", "MARKER", "MASK_ID", "PAD_ID", "Task",
            "answer_text", "get_task", "solve"]

@@ -1,10 +1,14 @@
 """Model cards of the bundled tiny models: `MODEL_CARD.md` (for people) and `card.json` (for code and tests).
 
-    dblock model-card --model DIR --train-summary RUN/train_summary.json --task arith-small --n 200
+    dblock model-card --model DIR --train-summary RUN/train_summary.json [--train-summary RUN2/...] --n 200 \
+        [--also-schedule oba]
 
 evaluates DIR on the held-out split (`dblock.tasks.evaluate.evaluate`, reference executor, the family's default
-decoding) and writes both files into DIR. Every number in the card is computed here from the training summary
-and the evaluation; nothing is typed by hand. `card.json["eval_command"]` is the command that reproduces the
+decoding; with `--also-schedule S` once more under schedule S) and writes both files into DIR, plus
+`loss_curve.png` (training loss over every stage's steps, and the held-out accuracy measured during training).
+A recipe of several stages (a later one started with `train-tiny --init-from` the earlier one's folder) gives one
+`--train-summary` per stage, in order. Every number in the card is computed here from the training summaries and
+the evaluations; nothing is typed by hand. `card.json["eval_command"]` is the command that reproduces the
 accuracy line, and `tests/tasks/test_model_cards.py` re-runs it on the bundled models and compares.
 
 `task_of(folder)` reads the task a bundled model was trained on, so `dblock eval`, the demo and the benchmarks
@@ -50,69 +54,174 @@ def _public_command(reproduce: str, name: str) -> str:
     return re.sub(r"--out \S+", f"--out runs/{name}", reproduce)
 
 
-def build_card(name: str, summary: dict, result: dict, n: int) -> dict:
-    cfg = summary["config"]
-    final = summary.get("final", {})
-    hist = summary.get("history", [])
+def _stage(summary: dict, name: str) -> dict:
+    return {"command": _public_command(summary["reproduce"], name), "steps": summary["steps_done"],
+            "wall_min": round(summary["wall_s"] / 60.0, 1),
+            "init_from": summary["config"].get("init_from"),
+            "final_eval": (summary.get("evals") or [None])[-1]}
+
+
+def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] = None) -> dict:
+    """The card's numbers. `summary`: the training summary, or the list of a recipe's stage summaries in order
+    (the last stage made the weights); `extra`: {schedule: (eval command, its result)} of further evaluations."""
+    stages = summary if isinstance(summary, list) else [summary]
+    last = stages[-1]
+    cfg = last["config"]
+    final = last.get("final", {})
+    hist = last.get("history", [])
     curve = [{k: h[k] for k in ("step", "loss", "acc") if k in h} for h in hist[:: max(1, len(hist) // 10)]]
     if hist and (not curve or curve[-1].get("step") != hist[-1].get("step")):
         curve.append({k: hist[-1][k] for k in ("step", "loss", "acc") if k in hist[-1]})
-    return {
+    stage_names = [f"{name}-stage{i + 1}" for i in range(len(stages) - 1)] + [name]
+    keys = ("n", "split", "schedule", "decode", "accuracy", "accuracy_by_kind", "Y", "K", "F", "TPF",
+            "passes_per_block_mean", "passes_per_block_mean_by_kind", "passes_per_block_hist",
+            "blocks_per_answer_mean", "eos_rate")
+    card = {
         "name": name,
         "family": cfg["family"],
         "size": cfg["size"],
-        "params": summary["params"],
+        "params": last["params"],
         "task": cfg["task"],
+        "task_description": _describe_task(cfg),
         "block_size": cfg["block_size"],
-        "train_command": _public_command(summary["reproduce"], name),
-        "train_steps": summary["steps_done"],
-        "train_wall_min": round(summary["wall_s"] / 60.0, 1),
+        "train_command": _public_command(last["reproduce"], name),
+        "train_steps": last["steps_done"],
+        "train_wall_min": round(sum(st["wall_s"] for st in stages) / 60.0, 1),
+        "train_stages": [_stage(st, nm) for st, nm in zip(stages, stage_names)],
         "train_threads": cfg.get("threads", 1),
         "train_final": final,
         "train_curve": curve,
-        "expert_balance": summary.get("expert_balance_ema"),
+        "expert_balance": last.get("expert_balance_ema"),
         "eval_command": f"dblock eval --model {name} --task {cfg['task']} --n {n}",
-        "eval": {k: result[k] for k in ("n", "split", "schedule", "decode", "accuracy", "accuracy_by_kind", "Y", "K",
-                                        "F", "TPF", "passes_per_block_mean", "passes_per_block_mean_by_kind",
-                                        "passes_per_block_hist", "blocks_per_answer_mean", "eos_rate")
-                 if k in result},
+        "eval": {k: result[k] for k in keys if k in result},
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}, torch {torch.__version__}",
     }
+    for i, st in enumerate(card["train_stages"][1:], 1):        # a later stage starts from the earlier one's folder
+        st["command"] = re.sub(r"--init-from \S+", f"--init-from runs/{stage_names[i - 1]}", st["command"])
+    if extra:
+        card["eval_schedules"] = {sched: {"command": cmd, **{k: r[k] for k in keys if k in r}}
+                                  for sched, (cmd, r) in extra.items()}
+    return card
+
+
+def _describe_task(cfg: dict) -> dict:
+    from dblock.tasks import get_task
+    kw = {k: tuple(cfg[k]) for k in ("add_digits", "rev_len", "div_digits") if cfg.get(k)}
+    return get_task(cfg["task"], **kw).describe()
+
+
+def plot_curve(stages: list, path: str) -> None:
+    """loss_curve.png: the training loss of every stage over cumulative steps (log scale) and the held-out accuracy
+    measured during training (`--eval-every`), stage boundaries marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
+    ax2 = ax.twinx()
+    off = 0
+    for i, st in enumerate(stages):
+        h = st.get("history", [])
+        ax.plot([off + x["step"] for x in h], [x["loss"] for x in h], color="tab:blue", lw=0.8,
+                label="training loss" if i == 0 else None)
+        ev = st.get("evals") or []
+        ax2.plot([off + x["step"] for x in ev], [x["accuracy"] for x in ev], "o-", color="tab:red", ms=3,
+                 label="held-out accuracy" if i == 0 else None)
+        off += st["steps_done"]
+        if i < len(stages) - 1:
+            ax.axvline(off, color="grey", ls="--", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step (all stages)")
+    ax.set_ylabel("loss")
+    ax2.set_ylabel("accuracy")
+    ax2.set_ylim(0, 1)
+    fig.legend(loc="upper center", ncol=2, fontsize=8)
+    fig.tight_layout()
+    tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _task_text(card: dict) -> str:
+    d = card.get("task_description")
+    if not d:
+        return f"`{card['task']}` from `dblock.tasks`"
+    total = sum(d["mix"].values())
+    kinds = ", ".join(f"`{k}` {100 * w / total:.0f}% (sizes {d['sizes'][k][0]}..{d['sizes'][k][1]})"
+                      for k, w in d["mix"].items() if w > 0)
+    return (f"`{card['task']}` from `dblock.tasks` (answer style `{d['style']}`, see `dblock/tasks/arith.py`): "
+            f"{kinds}. Split: {d['split']}")
+
+
+def _training_text(card: dict) -> str:
+    stages = card.get("train_stages") or [{"command": card["train_command"], "steps": card["train_steps"],
+                                           "wall_min": card["train_wall_min"]}]
+    if len(stages) == 1:
+        head = f"    {stages[0]['command']}\n\n{stages[0]['steps']} optimizer steps in {stages[0]['wall_min']} minutes"
+    else:
+        lines = []
+        for i, st in enumerate(stages, 1):
+            ev = st.get("final_eval")
+            acc = f"; held-out accuracy at its end {ev['accuracy']:.2f} on {ev.get('n', '?')} problems" if ev else ""
+            lines.append(f"Stage {i}: {st['steps']} steps, {st['wall_min']} minutes{acc}\n\n    {st['command']}")
+        head = "\n\n".join(lines) + f"\n\n{sum(st['steps'] for st in stages)} optimizer steps in " \
+                                     f"{card['train_wall_min']} minutes in all"
+    return (f"{head} on {card['machine']} ({card['train_threads']} torch thread). The same commands on the same "
+            "torch build and thread count give bit-identical weights. Final training batch: "
+            f"{json.dumps(card['train_final'])}.")
+
+
+def _eval_lines(e: dict) -> str:
+    kinds = ", ".join(f"{k} {v:.3f}" for k, v in e["accuracy_by_kind"].items())
+    pk = ", ".join(f"{k} {v:.2f}" for k, v in e.get("passes_per_block_mean_by_kind", {}).items())
+    hist = " ".join(f"{k}:{v}" for k, v in e["passes_per_block_hist"].items())
+    return f"""- accuracy **{e['accuracy']:.3f}** over {e['n']} problems ({kinds})
+- tokens Y={e['Y']}, blocks K={e['K']}, passes F={e['F']}, tokens per forward TPF={e['TPF']:.3f}, EOS rate \
+{e['eos_rate']:.3f}
+- passes per block: mean {e['passes_per_block_mean']:.2f} ({pk}); blocks per answer {e['blocks_per_answer_mean']:.2f}
+- passes-per-block histogram (passes:blocks): {hist}"""
+
+
+def _schedules_text(card: dict) -> str:
+    out, base = [], card["eval"]
+    for sched, e in (card.get("eval_schedules") or {}).items():
+        gain = e["TPF"] / base["TPF"] - 1.0
+        out.append(f"""### Schedule `{sched}`
+
+    {e['command']}
+
+{_eval_lines(e)}
+- against the default schedule above: TPF {100 * gain:+.1f}%, accuracy {100 * (e['accuracy'] - base['accuracy']):+.1f} \
+points
+""")
+    return "\n".join(out) + ("\n" if out else "")
 
 
 def render_markdown(card: dict) -> str:
     e = card["eval"]
-    kinds = ", ".join(f"{k} {v:.3f}" for k, v in e["accuracy_by_kind"].items())
-    pk = ", ".join(f"{k} {v:.2f}" for k, v in e.get("passes_per_block_mean_by_kind", {}).items())
-    hist = " ".join(f"{k}:{v}" for k, v in e["passes_per_block_hist"].items())
     curve = "\n".join(f"| {c.get('step')} | {c.get('loss')} | {c.get('acc')} |" for c in card["train_curve"])
     fam = {"llada2_moe": "masked block diffusion (LLaDA2.0 architecture: MoE with shared expert, sigmoid routing "
                          "with expert bias, group-limited top-k), trained with the BD3-LM block-causal objective",
            "diffusion_gemma": "uniform-state block diffusion with self-conditioning (DiffusionGemma architecture: "
                               "causal encoder + canvas decoder sharing weights, softmax router, sliding and full "
                               "attention layers)"}.get(card["family"], card["family"])
+    png = "\n![training loss and held-out accuracy](loss_curve.png)\n" if card.get("train_stages") else ""
     return f"""# {card['name']}
 
 A tiny {card['family']} model bundled with dblock: {fam}.
 {card['params']:,} parameters, size `{card['size']}`, block size {card['block_size']}, character tokenizer
-(vocabulary 32). It exists so that decoding dynamics (confidence rising, blocks finishing early, routing with
+(vocabulary 32). It exists so that decoding dynamics (confidence rising, blocks living several passes, routing with
 structure) are real when Epoch and One Block Ahead are measured on a CPU. It is not a language model.
 
 ## Data
 
-`{card['task']}` from `dblock.tasks` (synthetic, generated from a seed, no download): half of the problems are
-addition of two numbers (`add`), half are string reversal (`rev`); the answer ends with `<eos>`. Train and test
-splits are disjoint by hash of the problem.
+{_task_text(card)}. Generated from a seed, no download; every answer ends with `<eos>`.
 
 ## Training
 
-    {card['train_command']}
-
-{card['train_steps']} optimizer steps in {card['train_wall_min']} minutes on {card['machine']}
-({card['train_threads']} torch thread). The same command on the same torch build and thread count gives
-bit-identical weights. Final training batch: {json.dumps(card['train_final'])}.
-
-| step | loss | token accuracy (noised positions) |
+{_training_text(card)}
+{png}
+| step (last stage) | loss | token accuracy (noised positions) |
 |---|---|---|
 {curve}
 
@@ -120,12 +229,9 @@ bit-identical weights. Final training batch: {json.dumps(card['train_final'])}.
 
     {card['eval_command']}
 
-- accuracy **{e['accuracy']:.3f}** over {e['n']} problems ({kinds})
-- tokens Y={e['Y']}, blocks K={e['K']}, passes F={e['F']}, TPF={e['TPF']:.3f}, EOS rate {e['eos_rate']:.3f}
-- passes per block: mean {e['passes_per_block_mean']:.2f} ({pk}); blocks per answer {e['blocks_per_answer_mean']:.2f}
-- passes-per-block histogram (passes:blocks): {hist}
+{_eval_lines(e)}
 
-{_weak_note(e)}`card.json` holds these numbers; `tests/tasks/test_model_cards.py` re-runs the evaluation command and checks them.
+{_schedules_text(card)}{_weak_note(e)}`card.json` holds these numbers; `tests/tasks/test_model_cards.py` re-runs the evaluation commands and checks them.
 """
 
 
@@ -148,26 +254,42 @@ def write_card(folder: str, card: dict) -> None:
         os.replace(tmp, os.path.join(folder, fname))
 
 
-def make_card(model: str, summary_path: str, task: Optional[str], n: int, run_eval: Callable[[str], dict],
-              name: Optional[str] = None) -> dict:
-    """Evaluate `model` with `run_eval("dblock eval ...")` (the CLI's in-process runner) and write its card."""
+def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: Callable[[str], dict],
+              name: Optional[str] = None, also_schedules=()) -> dict:
+    """Evaluate `model` with `run_eval("dblock eval ...")` (the CLI's in-process runner) and write its card and
+    loss_curve.png. `summary_paths`: one train_summary.json, or one per stage of the recipe in order."""
     from dblock.weights import resolve_model_path
 
     folder = resolve_model_path(model)
-    if not os.path.isfile(summary_path):
-        raise FileNotFoundError(f"--train-summary {summary_path}: no such file (train-tiny writes "
-                                "OUT/train_summary.json)")
-    with open(summary_path) as f:
-        summary = json.load(f)
-    for key in ("config", "params", "reproduce", "steps_done", "wall_s"):
-        if key not in summary:
-            raise ValueError(f"{summary_path}: missing key {key!r}; is this a train-tiny summary?")
-    task = task or summary["config"]["task"]
-    if task != summary["config"]["task"]:
-        raise ValueError(f"--task {task}: the model was trained on {summary['config']['task']!r}")
+    paths = [summary_paths] if isinstance(summary_paths, str) else list(summary_paths)
+    summaries = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--train-summary {path}: no such file (train-tiny writes "
+                                    "OUT/train_summary.json)")
+        with open(path) as f:
+            summary = json.load(f)
+        for key in ("config", "params", "reproduce", "steps_done", "wall_s"):
+            if key not in summary:
+                raise ValueError(f"{path}: missing key {key!r}; is this a train-tiny summary?")
+        summaries.append(summary)
+    last = summaries[-1]["config"]
+    for path, sm in zip(paths[:-1], summaries[:-1]):
+        if sm["config"]["family"] != last["family"] or sm["config"]["size"] != last["size"]:
+            raise ValueError(f"--train-summary {path}: family/size {sm['config']['family']}/{sm['config']['size']}, "
+                             f"the last stage's are {last['family']}/{last['size']}")
+    task = task or last["task"]
+    if task != last["task"]:
+        raise ValueError(f"--task {task}: the model was trained on {last['task']!r}")
     name = name or os.path.basename(os.path.normpath(folder))
-    cmd = f"dblock eval --model {folder} --task {task} --n {n}"
-    r = run_eval(cmd)
-    card = build_card(name, summary, r, n)
+    r = run_eval(f"dblock eval --model {folder} --task {task} --n {n}")
+    extra = {}
+    for sched in also_schedules:
+        public = f"dblock eval --model {name} --task {task} --n {n} --schedule {sched}"
+        extra[sched] = (public, run_eval(f"dblock eval --model {folder} --task {task} --n {n} --schedule {sched}"))
+    card = build_card(name, summaries if len(summaries) > 1 else summaries[0], r, n, extra)
+    if len(summaries) == 1:
+        card["train_stages"] = [_stage(summaries[0], name)]
+    plot_curve(summaries, os.path.join(folder, "loss_curve.png"))
     write_card(folder, card)
     return card

@@ -161,10 +161,14 @@ def add_parser(subparsers):
                               description="Evaluate DIR with `dblock eval` defaults and write MODEL_CARD.md and "
                                           "card.json into DIR, from the training summary and the evaluation.")
     c.add_argument("--model", required=True, help="model folder (or bundled name)")
-    c.add_argument("--train-summary", required=True, help="the run's train_summary.json (written by train-tiny)")
+    c.add_argument("--train-summary", required=True, action="append",
+                   help="the run's train_summary.json (written by train-tiny); a recipe of several stages gives one "
+                        "per stage, in order")
     c.add_argument("--task", default=None, help="evaluation task (default: the training task; must match it)")
     c.add_argument("--n", type=int_arg(1, MAX_PROBLEMS), default=200, help="held-out problems (default 200)")
     c.add_argument("--name", default=None, help="name used in the card (default: the folder's name)")
+    c.add_argument("--also-schedule", action="append", default=[], metavar="SCHEDULE",
+                   help="evaluate once more under this schedule (e.g. oba) and record it beside the default one")
     c.set_defaults(_run=_card)
 
 
@@ -223,9 +227,11 @@ def _eval(args) -> int:
 
 def _card(args) -> int:
     from dblock.tasks.card import make_card
-    if not os.path.isfile(args.train_summary):
-        raise FileNotFoundError(f"--train-summary {args.train_summary}: no such file")
-    card = make_card(args.model, args.train_summary, args.task, args.n, run_eval_command, args.name)
+    for path in args.train_summary:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--train-summary {path}: no such file")
+    card = make_card(args.model, args.train_summary, args.task, args.n, run_eval_command, args.name,
+                     also_schedules=args.also_schedule)
     print(f"model-card: {card['name']}: accuracy {card['eval']['accuracy']:.3f} on {card['task']} "
           f"(n={args.n}); wrote MODEL_CARD.md and card.json")
     return 0

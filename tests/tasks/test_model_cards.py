@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from dblock.cli import main
+from dblock.tasks import BUNDLED_TASK
 from dblock.tasks.card import CARD_JSON, CARD_MD, build_card, read_card, render_markdown, task_of
 from dblock.tasks.cli import run_eval_command
 from dblock.weights import CHECKPOINTS_DIR
@@ -32,6 +33,13 @@ def test_card_matches_a_fresh_evaluation(name):
     assert r["passes_per_block_hist"] == e["passes_per_block_hist"]
     md = open(os.path.join(folder, CARD_MD)).read()
     assert f"accuracy **{e['accuracy']:.3f}**" in md and card["train_command"] in md
+    for sched, es in card.get("eval_schedules", {}).items():          # e.g. tiny-uniform under OBA
+        r = run_eval_command(es["command"])
+        assert es["command"].endswith(f"--schedule {sched}") and r["schedule"] == es["schedule"]
+        assert (r["accuracy"], r["Y"], r["K"], r["F"]) == (es["accuracy"], es["Y"], es["K"], es["F"])
+        assert es["command"] in md
+    assert os.path.isfile(os.path.join(folder, "loss_curve.png")) and "loss_curve.png" in md
+    assert all(st["command"] in md for st in card["train_stages"])
 
 
 @pytest.mark.parametrize("name", BUNDLED)
@@ -43,7 +51,7 @@ def test_card_describes_the_weights_beside_it(name):
     assert sum(p.numel() for p in m.parameters()) == card["params"]
     assert f"--family {card['family']}" in card["train_command"] and f"--steps {card['train_steps']}" in \
         card["train_command"]
-    assert task_of(name) == card["task"]
+    assert task_of(name) == card["task"] == BUNDLED_TASK      # the defaults that need no model use BUNDLED_TASK
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
     assert size <= 20 * 2 ** 20, f"{folder}: {size} bytes, over the 20 MB budget for a bundled model"
 
@@ -70,6 +78,29 @@ def test_build_card_hides_the_private_folder_and_keeps_the_last_step():
     assert card["eval_command"] == "dblock eval --model tiny-x --task arith-small --n 4"
     md = render_markdown(card)
     assert "accuracy **0.500** over 4 problems (add 0.000, rev 1.000)" in md and "1:2 2:2" in md
+
+
+def test_build_card_of_a_two_stage_recipe_and_its_curve(tmp_path):
+    r = {"n": 4, "split": "test", "accuracy": 0.5, "accuracy_by_kind": {"add": 0.0, "rev": 1.0}, "Y": 8, "K": 4,
+         "F": 6, "TPF": 8 / 6, "passes_per_block_mean": 1.5, "passes_per_block_mean_by_kind": {"add": 2.0, "rev": 1.0},
+         "passes_per_block_hist": {"1": 2, "2": 2}, "blocks_per_answer_mean": 1.0, "eos_rate": 1.0}
+    one = _summary()
+    two = {**_summary(), "wall_s": 30.0, "evals": [{"step": 25, "accuracy": 0.75, "n": 4}],
+           "reproduce": "dblock train-tiny --family llada2_moe --out /tmp/x/b --steps 10 --seed 0 --init-from /tmp/x/a"}
+    two["config"] = {**two["config"], "init_from": "/tmp/x/a"}
+    oba = {**r, "schedule": "oba", "TPF": 8 / 5, "F": 5}
+    card = build_card("tiny-x", [one, two], r, 4, {"oba": ("dblock eval --model tiny-x --schedule oba", oba)})
+    assert [st["command"] for st in card["train_stages"]] == [
+        "dblock train-tiny --family llada2_moe --out runs/tiny-x-stage1 --steps 10 --seed 0",
+        "dblock train-tiny --family llada2_moe --out runs/tiny-x --steps 10 --seed 0 --init-from runs/tiny-x-stage1"]
+    assert card["train_wall_min"] == 2.0 and card["train_stages"][1]["final_eval"]["accuracy"] == 0.75
+    assert card["task_description"]["mix"] == {"add": 1.0, "rev": 1.0}
+    md = render_markdown(card)
+    assert "Stage 2: 10 steps, 0.5 minutes; held-out accuracy at its end 0.75" in md
+    assert "TPF +20.0%, accuracy +0.0 points" in md and "`add` 50% (sizes 1..4)" in md
+    from dblock.tasks.card import plot_curve
+    plot_curve([one, two], str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_model_card_cli_refuses_bad_input_and_writes_nothing(tmp_path, capsys):
