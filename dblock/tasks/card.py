@@ -166,9 +166,10 @@ def _training_text(card: dict) -> str:
             lines.append(f"Stage {i}: {st['steps']} steps, {st['wall_min']} minutes{acc}\n\n    {st['command']}")
         head = "\n\n".join(lines) + f"\n\n{sum(st['steps'] for st in stages)} optimizer steps in " \
                                      f"{card['train_wall_min']} minutes in all"
+    notes = "".join(f"\n\n{note}" for note in card.get("notes", []))
     return (f"{head} on {card['machine']} ({card['train_threads']} torch thread). The same commands on the same "
             "torch build and thread count give bit-identical weights. Final training batch: "
-            f"{json.dumps(card['train_final'])}.")
+            f"{json.dumps(card['train_final'])}.{notes}")
 
 
 def _eval_lines(e: dict) -> str:
@@ -255,7 +256,7 @@ def write_card(folder: str, card: dict) -> None:
 
 
 def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: Callable[[str], dict],
-              name: Optional[str] = None, also_schedules=()) -> dict:
+              name: Optional[str] = None, also_schedules=(), notes=()) -> dict:
     """Evaluate `model` with `run_eval("dblock eval ...")` (the CLI's in-process runner) and write its card and
     loss_curve.png. `summary_paths`: one train_summary.json, or one per stage of the recipe in order."""
     from dblock.weights import resolve_model_path
@@ -288,6 +289,8 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
         public = f"dblock eval --model {name} --task {task} --n {n} --schedule {sched}"
         extra[sched] = (public, run_eval(f"dblock eval --model {folder} --task {task} --n {n} --schedule {sched}"))
     card = build_card(name, summaries if len(summaries) > 1 else summaries[0], r, n, extra)
+    if notes:
+        card["notes"] = list(notes)
     if len(summaries) == 1:
         card["train_stages"] = [_stage(summaries[0], name)]
     plot_curve(summaries, os.path.join(folder, "loss_curve.png"))

@@ -167,6 +167,8 @@ def add_parser(subparsers):
     c.add_argument("--task", default=None, help="evaluation task (default: the training task; must match it)")
     c.add_argument("--n", type=int_arg(1, MAX_PROBLEMS), default=200, help="held-out problems (default 200)")
     c.add_argument("--name", default=None, help="name used in the card (default: the folder's name)")
+    c.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="a paragraph for the card's Training section (e.g. how a stage deviates from its command)")
     c.add_argument("--also-schedule", action="append", default=[], metavar="SCHEDULE",
                    help="evaluate once more under this schedule (e.g. oba) and record it beside the default one")
     c.set_defaults(_run=_card)
@@ -231,7 +233,7 @@ def _card(args) -> int:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--train-summary {path}: no such file")
     card = make_card(args.model, args.train_summary, args.task, args.n, run_eval_command, args.name,
-                     also_schedules=args.also_schedule)
+                     also_schedules=args.also_schedule, notes=args.note)
     print(f"model-card: {card['name']}: accuracy {card['eval']['accuracy']:.3f} on {card['task']} "
           f"(n={args.n}); wrote MODEL_CARD.md and card.json")
     return 0
