@@ -86,6 +86,7 @@ first `<eos>` on is ignored if still present).
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -202,8 +203,9 @@ class ArithTask:
         self.kinds = ("add", "rev") if style == "lines" else ("add", "div", "rev")
         mix = dict(mix or {"add": 1.0, "rev": 1.0})
         unknown = set(mix) - set(self.kinds)
-        if unknown or not mix or min(mix.values()) < 0 or sum(mix.values()) <= 0:
-            raise ValueError(f"bad mix {mix}: weights >= 0 over {self.kinds}, not all zero")
+        if unknown or not mix or not all(math.isfinite(w) and w >= 0 for w in mix.values()) or \
+                sum(mix.values()) <= 0:
+            raise ValueError(f"bad mix {mix}: finite weights >= 0 over {self.kinds}, not all zero")
         if not 0 < test_fraction < 1:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
         for lo, hi in (add_digits, rev_len, div_digits):

@@ -19,6 +19,9 @@ pytestmark = pytest.mark.timeout(120)
 T = 30.0
 DEC = DecodeConfig(max_new_tokens=64)
 PROMPT = "123+45="
+# A prompt outside the training lengths (a reversal of 11 digits; the bundled models saw at most 6): the model is
+# unsure there, so a sampled decode visibly differs from the greedy one (on in-distribution prompts it is too sure).
+UNSURE = "rev 31415926535="
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +82,13 @@ def test_temperature_zero_is_todays_greedy_decoding(masked, template):
 
 def test_seeded_sampling_repeats_differs_from_greedy_and_equals_offline(masked):
     model, tok = masked
-    ids = tok.encode(PROMPT).ids
+    ids = tok.encode(UNSURE).ids
     greedy = offline(model, "reference", "native", ids, 64, 0, DEC)
     from dblock.serving.engine import offline_tokens
     want = offline_tokens(make_forward(model, "reference"), ids, 64, 1, "native", DEC,
                           SamplingParams(temperature=0.8))
     with running_server(model, tok, dec=DEC) as (srv, engine, _):
-        body = {"prompt": PROMPT, "temperature": 0.8, "seed": 1}
+        body = {"prompt": UNSURE, "temperature": 0.8, "seed": 1}
         a, b = choices(srv.url, body)[0], choices(srv.url, body)[0]
         assert a["token_ids"] == b["token_ids"] == want and a["text"] == b["text"]
         assert a["token_ids"] != greedy
@@ -125,7 +128,7 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_batched(masked):
 def test_n_choices_have_seeds_seed_plus_j(masked, template):
     model, tok = masked
     with running_server(model, tok, dec=DEC, chat_template=template) as (srv, engine, _):
-        body = {"prompt": PROMPT, "temperature": 0.8, "seed": 1, "n": 2}
+        body = {"prompt": UNSURE, "temperature": 0.8, "seed": 1, "n": 2}
         cs = choices(srv.url, body)
         assert [c["index"] for c in cs] == [0, 1]
         for j in range(2):
@@ -134,12 +137,12 @@ def test_n_choices_have_seeds_seed_plus_j(masked, template):
         s = stream(srv.url, body)                                               # chunks carry their index
         assert sorted(s) == [0, 1] and [s[j][0] for j in range(2)] == [c["text"] for c in cs]
         # several prompts x n: prompt-major
-        two = choices(srv.url, {**body, "prompt": [PROMPT, "7+5="]})
+        two = choices(srv.url, {**body, "prompt": [UNSURE, "7+5="]})
         assert [c["index"] for c in two] == [0, 1, 2, 3] and two[0]["text"] == cs[0]["text"]
-        chat = choices(srv.url, {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0.8, "seed": 1,
+        chat = choices(srv.url, {"messages": [{"role": "user", "content": UNSURE}], "temperature": 0.8, "seed": 1,
                                  "n": 2}, "/v1/chat/completions")
         assert [c["message"]["content"] for c in chat] == [c["text"] for c in cs]
-        s = stream(srv.url, {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0.8, "seed": 1,
+        s = stream(srv.url, {"messages": [{"role": "user", "content": UNSURE}], "temperature": 0.8, "seed": 1,
                              "n": 2}, "/v1/chat/completions")
         assert [s[j][0] for j in range(2)] == [c["text"] for c in cs]
 
@@ -149,17 +152,17 @@ def test_stop_strings_cut_the_text_and_stop_ids_end_it(masked, template):
     with running_server(model, tok, dec=DEC, chat_template=template) as (srv, engine, _):
         full = choices(srv.url, {"prompt": PROMPT})[0]
         text, ids = full["text"], full["token_ids"]
-        assert ";1+" in text and "=>" in text
-        c = choices(srv.url, {"prompt": PROMPT, "stop": ";1+"})[0]
-        assert c["text"] == text[:text.index(";1+")] and c["finish_reason"] == "stop"
-        assert c["token_ids"] == ids[:len(c["token_ids"])] and tok.decode(c["token_ids"]).endswith(";1+")
-        s = stream(srv.url, {"prompt": PROMPT, "stop": ";1+"})
+        assert ",24" in text and "=>" in text
+        c = choices(srv.url, {"prompt": PROMPT, "stop": ",24"})[0]
+        assert c["text"] == text[:text.index(",24")] and c["finish_reason"] == "stop"
+        assert c["token_ids"] == ids[:len(c["token_ids"])] and tok.decode(c["token_ids"]).endswith(",24")
+        s = stream(srv.url, {"prompt": PROMPT, "stop": ",24"})
         assert s[0][0] == c["text"] and s[0][1] == c["token_ids"] and s[0][2] == ["stop"]
-        r = post(srv.url, {"prompt": PROMPT, "stop": ";1+", "stream": False})
+        r = post(srv.url, {"prompt": PROMPT, "stop": ",24", "stream": False})
         assert r.json()["usage"]["completion_tokens"] == len(c["token_ids"])
         # the earliest of several; chat too
-        c2 = choices(srv.url, {"prompt": PROMPT, "stop": ["=>", ":"]})[0]
-        assert c2["text"] == text[:text.index(":")]
+        c2 = choices(srv.url, {"prompt": PROMPT, "stop": ["=>", ","]})[0]
+        assert c2["text"] == text[:text.index(",")]
         m = choices(srv.url, {"messages": [{"role": "user", "content": PROMPT}], "stop": ["=>"]},
                     "/v1/chat/completions")[0]
         assert m["message"]["content"] == text[:text.index("=>")] and m["finish_reason"] == "stop"

@@ -77,7 +77,7 @@ def test_mix_and_registry():
     assert 0.8 < sum(e.kind == "add" for e in heavy) / 1000 < 0.97
     short = ArithTask(add_digits=(1, 2), rev_len=(1, 2)).length_stats("train", 300)
     assert short["max"] < 40  # the size knob controls length
-    for bad in ("nope", "arith:add=x", "arith:mul=1"):
+    for bad in ("nope", "arith:add=x", "arith:mul=1", "arith:add=nan", "arith:add=inf,rev=1", "arith:add=-1,rev=1"):
         with pytest.raises(ValueError):
             get_task(bad)
     with pytest.raises(ValueError, match="split"):
