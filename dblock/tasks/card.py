@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 CARD_JSON = "card.json"
+SUBSET_N = 24          # the regression subset: the first test problems, per-request results kept in the card
 CARD_MD = "MODEL_CARD.md"
 
 
@@ -289,6 +290,9 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
         public = f"dblock eval --model {name} --task {task} --n {n} --schedule {sched}"
         extra[sched] = (public, run_eval(f"dblock eval --model {folder} --task {task} --n {n} --schedule {sched}"))
     card = build_card(name, summaries if len(summaries) > 1 else summaries[0], r, n, extra)
+    sub = run_eval(f"dblock eval --model {folder} --task {task} --n {SUBSET_N}")
+    card["subset"] = {"command": f"dblock eval --model {name} --task {task} --n {SUBSET_N}", "n": SUBSET_N,
+                      "accuracy": sub["accuracy"], "correct": [bool(q["correct"]) for q in sub["requests"]]}
     if notes:
         card["notes"] = list(notes)
     if len(summaries) == 1:

@@ -56,6 +56,22 @@ def test_card_describes_the_weights_beside_it(name):
     assert size <= 20 * 2 ** 20, f"{folder}: {size} bytes, over the 20 MB budget for a bundled model"
 
 
+@pytest.mark.parametrize("name", BUNDLED)
+def test_regression_subset_in_every_executor(name):
+    """The card's small fixed subset (its first test problems): the reference gives the recorded result problem by
+    problem; on llada2_moe the Epoch executor loads the same weights, exact (full_compute) gives the same results
+    and the approximate default (epoch) the same accuracy within one problem."""
+    _, card = _card(name)
+    sub = card["subset"]
+    ref = run_eval_command(sub["command"])
+    assert [q["correct"] for q in ref["requests"]] == sub["correct"] and ref["accuracy"] == sub["accuracy"]
+    if card["family"] == "llada2_moe":
+        fc = run_eval_command(sub["command"] + " --executor epoch --epoch-config full_compute")
+        assert [q["tokens"] for q in fc["requests"]] == [q["tokens"] for q in ref["requests"]]
+        ep = run_eval_command(sub["command"] + " --executor epoch")
+        assert abs(ep["accuracy"] - sub["accuracy"]) <= 1 / sub["n"] + 1e-9
+
+
 def test_task_of_defaults_without_a_card(tmp_path):
     assert task_of(str(tmp_path)) == "arith"
     assert task_of("no-such-model", default="x") == "x"
