@@ -58,8 +58,9 @@ def _public_command(reproduce: str, name: str) -> str:
 def _stage(summary: dict, name: str) -> dict:
     return {"command": _public_command(summary["reproduce"], name), "steps": summary["steps_done"],
             "wall_min": round(summary["wall_s"] / 60.0, 1),
-            "init_from": summary["config"].get("init_from"),
-            "final_eval": (summary.get("evals") or [None])[-1]}
+            "init_from": summary["config"].get("init_from"), "task": summary["config"]["task"],
+            "final_eval": ({"n": summary["config"].get("eval_n"), **summary["evals"][-1]}
+                           if summary.get("evals") else None)}
 
 
 def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] = None) -> dict:
@@ -76,7 +77,7 @@ def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] =
     stage_names = [f"{name}-stage{i + 1}" for i in range(len(stages) - 1)] + [name]
     keys = ("n", "split", "schedule", "decode", "accuracy", "accuracy_by_kind", "Y", "K", "F", "TPF",
             "passes_per_block_mean", "passes_per_block_mean_by_kind", "passes_per_block_hist",
-            "blocks_per_answer_mean", "eos_rate")
+            "blocks_per_answer_mean", "eos_rate", "accuracy_by_grade")
     card = {
         "name": name,
         "family": cfg["family"],
@@ -99,6 +100,7 @@ def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] =
     }
     for i, st in enumerate(card["train_stages"][1:], 1):        # a later stage starts from the earlier one's folder
         st["command"] = re.sub(r"--init-from \S+", f"--init-from runs/{stage_names[i - 1]}", st["command"])
+    card["train_command"] = card["train_stages"][-1]["command"]
     if extra:
         card["eval_schedules"] = {sched: {"command": cmd, **{k: r[k] for k in keys if k in r}}
                                   for sched, (cmd, r) in extra.items()}
@@ -126,7 +128,7 @@ def plot_curve(stages: list, path: str) -> None:
                 label="training loss" if i == 0 else None)
         ev = st.get("evals") or []
         ax2.plot([off + x["step"] for x in ev], [x["accuracy"] for x in ev], "o-", color="tab:red", ms=3,
-                 label="held-out accuracy" if i == 0 else None)
+                 label="held-out accuracy (the stage's task)" if i == 0 else None)
         off += st["steps_done"]
         if i < len(stages) - 1:
             ax.axvline(off, color="grey", ls="--", lw=0.8)
@@ -163,13 +165,15 @@ def _training_text(card: dict) -> str:
         lines = []
         for i, st in enumerate(stages, 1):
             ev = st.get("final_eval")
-            acc = f"; held-out accuracy at its end {ev['accuracy']:.2f} on {ev.get('n', '?')} problems" if ev else ""
+            acc = (f"; held-out accuracy at its end {ev['accuracy']:.2f} on {ev.get('n', '?')} problems of its task "
+                   f"`{st.get('task', card['task'])}`" if ev else "")
             lines.append(f"Stage {i}: {st['steps']} steps, {st['wall_min']} minutes{acc}\n\n    {st['command']}")
         head = "\n\n".join(lines) + f"\n\n{sum(st['steps'] for st in stages)} optimizer steps in " \
                                      f"{card['train_wall_min']} minutes in all"
     notes = "".join(f"\n\n{note}" for note in card.get("notes", []))
     return (f"{head} on {card['machine']} ({card['train_threads']} torch thread). The same commands on the same "
-            "torch build and thread count give bit-identical weights. Final training batch: "
+            f"torch build and thread count give bit-identical weights{', except as noted below' if notes else ''}. "
+            "Final training batch: "
             f"{json.dumps(card['train_final'])}.{notes}")
 
 
@@ -177,7 +181,10 @@ def _eval_lines(e: dict) -> str:
     kinds = ", ".join(f"{k} {v:.3f}" for k, v in e["accuracy_by_kind"].items())
     pk = ", ".join(f"{k} {v:.2f}" for k, v in e.get("passes_per_block_mean_by_kind", {}).items())
     hist = " ".join(f"{k}:{v}" for k, v in e["passes_per_block_hist"].items())
-    return f"""- accuracy **{e['accuracy']:.3f}** over {e['n']} problems ({kinds})
+    grades = "; ".join(f"{k} " + " ".join(f"{g}:{r}/{n}" for g, (r, n) in by.items())
+                       for k, by in e.get("accuracy_by_grade", {}).items())
+    grade_line = f"\n- right/problems by kind and length (digits:right/n): {grades}" if grades else ""
+    return f"""- accuracy **{e['accuracy']:.3f}** over {e['n']} problems ({kinds}){grade_line}
 - tokens Y={e['Y']}, blocks K={e['K']}, passes F={e['F']}, tokens per forward TPF={e['TPF']:.3f}, EOS rate \
 {e['eos_rate']:.3f}
 - passes per block: mean {e['passes_per_block_mean']:.2f} ({pk}); blocks per answer {e['blocks_per_answer_mean']:.2f}

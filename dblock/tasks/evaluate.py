@@ -90,6 +90,7 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
     prompts = [tok.encode(e.prompt) for e in probs]
     seeds = list(seeds) if seeds else [dec.seed]
     per_seed, all_passes, all_blocks, all_Y, kinds_ok, kinds_passes = [], [], [], [], {}, {}
+    grade_ok: dict = {}
     first_block_passes = []
     shown, requests = [], []
     sums = {k: 0.0 for k in ("Y", "K", "F", "Q", "den_s", "den_calls", "wall_s")}
@@ -106,6 +107,7 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
                              "text": text, "expected": e.answer, "correct": bool(ok), "passes": int(c.F)})
             correct += ok
             kinds_ok.setdefault(e.kind, []).append(ok)
+            grade_ok.setdefault(e.kind, {}).setdefault(e.digits, []).append(ok)
             all_passes += [b.passes for b in c.blocks]
             kinds_passes.setdefault(e.kind, []).extend(b.passes for b in c.blocks)
             first_block_passes.append(c.blocks[0].passes if c.blocks else 0)
@@ -132,6 +134,9 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
                    "max_new_tokens": dec.max_new_tokens, "max_steps": dec.max_steps, "no_cache": dec.no_cache},
         "accuracy": sum(p["accuracy"] for p in per_seed) / len(per_seed),
         "accuracy_by_kind": {k: sum(v) / len(v) for k, v in sorted(kinds_ok.items())},
+        # by kind and difficulty grade (Example.digits: the longest operand's length): {kind: {grade: [right, n]}}
+        "accuracy_by_grade": {k: {str(g): [sum(v), len(v)] for g, v in sorted(by.items())}
+                              for k, by in sorted(grade_ok.items())},
         "per_seed": per_seed,
         "Y": Y, "K": K, "F": F, "Q": Q,
         "TPF": Y / Q if Q else 0.0,
@@ -166,6 +171,9 @@ def format_report(r: dict) -> str:
              f"blocks/answer {r['blocks_per_answer_mean']:.2f}; tokens/answer {r['tokens_per_answer_mean']:.1f}; "
              f"EOS rate {r['eos_rate']:.3f}",
              "passes/block histogram: " + " ".join(f"{k}:{v}" for k, v in r["passes_per_block_hist"].items())]
+    if r.get("accuracy_by_grade"):
+        lines.insert(2, "right/n by length: " + "; ".join(
+            f"{k} " + " ".join(f"{g}:{a}/{b}" for g, (a, b) in by.items()) for k, by in r["accuracy_by_grade"].items()))
     for e in r.get("examples", []):
         mark = "ok " if e["correct"] else "BAD"
         lines.append(f"  [{mark}] {e['prompt']} {e['output']}  passes/block {e['passes_per_block']}")

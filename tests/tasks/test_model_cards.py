@@ -31,6 +31,7 @@ def test_card_matches_a_fresh_evaluation(name):
     assert r["accuracy_by_kind"] == e["accuracy_by_kind"]
     assert (r["Y"], r["K"], r["F"]) == (e["Y"], e["K"], e["F"])
     assert r["passes_per_block_hist"] == e["passes_per_block_hist"]
+    assert r["accuracy_by_grade"] == {k: {g: list(v) for g, v in by.items()} for k, by in e["accuracy_by_grade"].items()}
     md = open(os.path.join(folder, CARD_MD)).read()
     assert f"accuracy **{e['accuracy']:.3f}**" in md and card["train_command"] in md
     for sched, es in card.get("eval_schedules", {}).items():          # e.g. tiny-uniform under OBA
@@ -109,10 +110,11 @@ def test_build_card_of_a_two_stage_recipe_and_its_curve(tmp_path):
     assert [st["command"] for st in card["train_stages"]] == [
         "dblock train-tiny --family llada2_moe --out runs/tiny-x-stage1 --steps 10 --seed 0",
         "dblock train-tiny --family llada2_moe --out runs/tiny-x --steps 10 --seed 0 --init-from runs/tiny-x-stage1"]
+    assert card["train_command"] == card["train_stages"][-1]["command"]
     assert card["train_wall_min"] == 2.0 and card["train_stages"][1]["final_eval"]["accuracy"] == 0.75
     assert card["task_description"]["mix"] == {"add": 1.0, "rev": 1.0}
     md = render_markdown(card)
-    assert "Stage 2: 10 steps, 0.5 minutes; held-out accuracy at its end 0.75" in md
+    assert "Stage 2: 10 steps, 0.5 minutes; held-out accuracy at its end 0.75 on 4 problems of its task" in md
     assert "TPF +20.0%, accuracy +0.0 points" in md and "`add` 50% (sizes 1..4)" in md
     from dblock.tasks.card import plot_curve
     plot_curve([one, two], str(tmp_path / "c.png"))
