@@ -331,7 +331,8 @@ def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]]
         vals = [v for v in [a_pred, *ends] if v is not None and math.isfinite(v)]
         lo, hi = (min(vals), max(vals)) if vals else (float("nan"), float("nan"))
         note = (f"δ {cal.delta:.3f} from {src} α {cal.alphas[runs[src].schedule]['alpha']:.3f}"
-                if cal.delta is not None else (cal.delta_note or "no δ"))
+                if cal.delta is not None else
+                (cal.delta_note or f"δ not calibrated on {src}: no α fitted from its run"))
         if held_ci:
             note += f"; measured α 95% CI {held_ci[0]:.3f}..{held_ci[1]:.3f} ({plan.alpha_n} requests)"
         out.append(Row(f"{plan.alpha_model} {held} α, batch {plan.alpha_batch}", "α", "",

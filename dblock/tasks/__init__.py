@@ -44,5 +44,6 @@ def get_task(name: str, **kwargs) -> ArithTask:
                      "'arith-long:add=W,div=W,rev=W'")
 
 
-__all__ = ["ArithTask", "BOS_ID", "BUNDLED_TASK", "CharTokenizer", "EOS_ID", "Example", "MARKER", "MASK_ID", "PAD_ID", "Task",
+__all__ = ["ArithTask", "BOS_ID", "BUNDLED_TASK", "CharTokenizer", "EOS_ID", "Example", "MARKER", "MASK_ID", "PAD_ID",
+           "Task",
            "answer_text", "get_task", "solve"]

@@ -31,7 +31,8 @@ def test_card_matches_a_fresh_evaluation(name):
     assert r["accuracy_by_kind"] == e["accuracy_by_kind"]
     assert (r["Y"], r["K"], r["F"]) == (e["Y"], e["K"], e["F"])
     assert r["passes_per_block_hist"] == e["passes_per_block_hist"]
-    assert r["accuracy_by_grade"] == {k: {g: list(v) for g, v in by.items()} for k, by in e["accuracy_by_grade"].items()}
+    assert r["accuracy_by_grade"] == {k: {g: list(v) for g, v in by.items()}
+                                      for k, by in e["accuracy_by_grade"].items()}
     md = open(os.path.join(folder, CARD_MD)).read()
     assert f"accuracy **{e['accuracy']:.3f}**" in md and card["train_command"] in md
     for sched, es in card.get("eval_schedules", {}).items():          # e.g. tiny-uniform under OBA
