@@ -604,8 +604,8 @@ class EpochExecutor(Forward):
             c.y_TH = self.stages.scatter(y_FH, c.idx_F.to(y_FH.device), c.T)
 
     def _serve_cached(self, c: LayerCall) -> None:
-        """Stable decoded rows take their cached MoE output (routed + shared experts); their ages go to the age histogram (folded when
-        read)."""
+        """Stable decoded rows take their cached MoE output (routed + shared experts); their ages go to the age
+        histogram (folded when read)."""
         if c.idx_S.numel():
             dev = c.y_TH.device
             c.y_TH.index_copy_(0, c.idx_S.to(dev), self.arena.values[c.li].index_select(0, c.R.slot[c.idx_S].to(dev)))
@@ -616,8 +616,8 @@ class EpochExecutor(Forward):
         return c.fresh_T & c.R.decoded
 
     def _write_cache(self, c: LayerCall) -> None:
-        """Write the MoE outputs (routed + shared) of `_rows_to_write`, stamped with pass, token and plan version (one scatter of
-        values and one of stamps)."""
+        """Write the MoE outputs (routed + shared) of `_rows_to_write`, stamped with pass, token and plan version
+        (one scatter of values and one of stamps)."""
         idx_W = self._rows_to_write(c).nonzero(as_tuple=True)[0]
         if idx_W.numel():
             R = c.R
@@ -626,7 +626,7 @@ class EpochExecutor(Forward):
     def _layer_output(self, c: LayerCall) -> torch.Tensor:
         """The MoE output back in the padded (B, L, H) layout; the layer's statistics record."""
         B, L, H = c.xn_BLH.shape
-        y_TH = c.y_TH.to(c.xn_BLH.dtype)
+        y_TH = c.y_TH                                   # in the model's dtype since `_add_shared`
         if c.R.padded:
             out = torch.zeros(B * L, H, dtype=c.xn_BLH.dtype, device=c.xn_BLH.device)
             out.index_copy_(0, c.R.flat.to(out.device), y_TH)

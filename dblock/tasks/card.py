@@ -296,14 +296,12 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
     for sched in also_schedules:
         public = f"dblock eval --model {name} --task {task} --n {n} --schedule {sched}"
         extra[sched] = (public, run_eval(f"dblock eval --model {folder} --task {task} --n {n} --schedule {sched}"))
-    card = build_card(name, summaries if len(summaries) > 1 else summaries[0], r, n, extra)
+    card = build_card(name, summaries, r, n, extra)
     sub = run_eval(f"dblock eval --model {folder} --task {task} --n {SUBSET_N}")
     card["subset"] = {"command": f"dblock eval --model {name} --task {task} --n {SUBSET_N}", "n": SUBSET_N,
                       "accuracy": sub["accuracy"], "correct": [bool(q["correct"]) for q in sub["requests"]]}
     if notes:
         card["notes"] = list(notes)
-    if len(summaries) == 1:
-        card["train_stages"] = [_stage(summaries[0], name)]
     plot_curve(summaries, os.path.join(folder, "loss_curve.png"))
     write_card(folder, card)
     return card
