@@ -685,10 +685,12 @@ class EpochExecutor(Forward):
             if not layer.is_moe:
                 x = h + layer.mlp(layer.mlp_norm(h))
                 continue
-            tm, tc = time.perf_counter(), time.thread_time()
-            x = h + self._moe(li, layer.mlp, layer.mlp_norm(h), R)
+            xn = layer.mlp_norm(h)
+            tm, tc = time.perf_counter(), time.thread_time()      # the MoE block alone, as the reference's module
+            y = self._moe(li, layer.mlp, xn, R)
             moe_s += time.perf_counter() - tm
             moe_cpu_s += time.thread_time() - tc
+            x = h + y
         out = []
         for b, it in enumerate(items):
             per_seg, off = [], 0
