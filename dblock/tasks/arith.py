@@ -64,7 +64,9 @@ early. (3) Real sequential structure that a model with a few layers cannot short
 dividend's first j + 1 digits) mod d, so the div groups are a chain decoded in reading order, a group or two per
 pass; a carry is known from the column on its right when that column generates or kills it (a + b != 9) and waits
 otherwise, so the add groups resolve right to left in waves along propagate runs; the value waits for the groups it
-copies. So a block of an accurate model lives several passes. (4) The value after `=>` of `add` is the plain sum, as
+copies. That was the design's expectation of several passes per block; measured, the trained bundled models resolve
+most of it at once (tiny-masked: 1.57 passes per block at threshold 0.95 -- add 1.33, div 2.11, rev 1.00 -- its
+MODEL_CARD.md): a few layers suffice to look a carry up across a short propagate run, and only long chains wait. (4) The value after `=>` of `add` is the plain sum, as
 in the `lines` style.
 
 Splits. `sample(split, index)` is a pure function of (task, sizes, split, index): a `random.Random` seeded with a

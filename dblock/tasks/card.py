@@ -63,12 +63,24 @@ def _stage(summary: dict, name: str) -> dict:
                            if summary.get("evals") else None)}
 
 
-def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] = None) -> dict:
+def base_task(task: str) -> str:
+    """A task name without its kind weights: 'arith-long:add=3,div=4,rev=1' -> 'arith-long'. Weights change
+    which problems training draws, not the problems or the split rule (`ArithTask.split_of`), so a model trained on
+    a reweighted mix is evaluated on the task's held-out split like one trained on the task itself."""
+    return task.split(":", 1)[0]
+
+
+def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] = None,
+               eval_task: Optional[str] = None) -> dict:
     """The card's numbers. `summary`: the training summary, or the list of a recipe's stage summaries in order
-    (the last stage made the weights); `extra`: {schedule: (eval command, its result)} of further evaluations."""
+    (the last stage made the weights); `extra`: {schedule: (eval command, its result)} of further evaluations;
+    `eval_task`: the evaluated task (default: the last stage's), the card's `task` -- what `task_of` and the demo
+    use."""
     stages = summary if isinstance(summary, list) else [summary]
     last = stages[-1]
-    cfg = last["config"]
+    cfg = dict(last["config"])
+    train_task = cfg["task"]
+    cfg["task"] = eval_task or train_task
     final = last.get("final", {})
     hist = last.get("history", [])
     curve = [{k: h[k] for k in ("step", "loss", "acc") if k in h} for h in hist[:: max(1, len(hist) // 10)]]
@@ -84,6 +96,7 @@ def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] =
         "size": cfg["size"],
         "params": last["params"],
         "task": cfg["task"],
+        "train_task": train_task,
         "task_description": _describe_task(cfg),
         "block_size": cfg["block_size"],
         "train_command": _public_command(last["reproduce"], name),
@@ -152,8 +165,11 @@ def _task_text(card: dict) -> str:
     total = sum(d["mix"].values())
     kinds = ", ".join(f"`{k}` {100 * w / total:.0f}% (sizes {d['sizes'][k][0]}..{d['sizes'][k][1]})"
                       for k, w in d["mix"].items() if w > 0)
+    trained = card.get("train_task", card["task"])
+    mix = (f". The last training stage drew its problems from `{trained}`: the same problems and split, other kind "
+           "weights" if trained != card["task"] else "")
     return (f"`{card['task']}` from `dblock.tasks` (answer style `{d['style']}`, see `dblock/tasks/arith.py`): "
-            f"{kinds}. Split: {d['split']}")
+            f"{kinds}{mix}. Split: {d['split']}")
 
 
 def _training_text(card: dict) -> str:
@@ -288,15 +304,16 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
             raise ValueError(f"--train-summary {path}: family/size {sm['config']['family']}/{sm['config']['size']}, "
                              f"the last stage's are {last['family']}/{last['size']}")
     task = task or last["task"]
-    if task != last["task"]:
-        raise ValueError(f"--task {task}: the model was trained on {last['task']!r}")
+    if base_task(task) != base_task(last["task"]):
+        raise ValueError(f"--task {task}: the model was trained on {last['task']!r} (a card evaluates the training "
+                         f"task or the same task with other kind weights, e.g. {base_task(last['task'])!r})")
     name = name or os.path.basename(os.path.normpath(folder))
     r = run_eval(f"dblock eval --model {folder} --task {task} --n {n}")
     extra = {}
     for sched in also_schedules:
         public = f"dblock eval --model {name} --task {task} --n {n} --schedule {sched}"
         extra[sched] = (public, run_eval(f"dblock eval --model {folder} --task {task} --n {n} --schedule {sched}"))
-    card = build_card(name, summaries, r, n, extra)
+    card = build_card(name, summaries, r, n, extra, eval_task=task)
     sub = run_eval(f"dblock eval --model {folder} --task {task} --n {SUBSET_N}")
     card["subset"] = {"command": f"dblock eval --model {name} --task {task} --n {SUBSET_N}", "n": SUBSET_N,
                       "accuracy": sub["accuracy"], "correct": [bool(q["correct"]) for q in sub["requests"]]}

@@ -150,3 +150,22 @@ def test_model_card_cli_writes_both_files(tmp_path, capsys):
     assert card["name"] == "m" and card["eval"]["n"] == 4 and card["task"] == "arith-small"
     assert (folder / CARD_MD).read_text().startswith("# m\n")
     assert "accuracy" in capsys.readouterr().out
+
+
+def test_model_card_evaluates_a_reweighted_mix_on_its_task(tmp_path):
+    """A stage trained on `arith:add=3,rev=1` (the same problems and split as `arith`, other kind weights) is carded
+    on `arith`; the card names both, and a different task family is still refused."""
+    folder = tmp_path / "m"
+    shutil.copytree(os.path.join(CHECKPOINTS_DIR, "tiny-masked"), folder,
+                    ignore=shutil.ignore_patterns(CARD_JSON, CARD_MD))
+    summ = _summary()
+    summ["config"]["task"] = "arith:add=3,rev=1"
+    s = tmp_path / "mix.json"
+    s.write_text(json.dumps(summ))
+    assert main(["model-card", "--model", str(folder), "--train-summary", str(s), "--task", "arith-small"]) == 2
+    assert not (folder / CARD_JSON).exists()
+    assert main(["model-card", "--model", str(folder), "--train-summary", str(s), "--task", "arith", "--n", "4"]) == 0
+    card = read_card(str(folder))
+    assert card["task"] == "arith" and card["train_task"] == "arith:add=3,rev=1"
+    assert card["eval_command"] == "dblock eval --model m --task arith --n 4" and task_of(str(folder)) == "arith"
+    assert "drew its problems from `arith:add=3,rev=1`" in (folder / CARD_MD).read_text()
