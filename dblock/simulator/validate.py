@@ -115,18 +115,23 @@ class Report:
         for r in self.rows:
             scale = 1e3 if r.unit == "ms" else 1.0
             fmt = "{:.3f}" if r.unit in ("", "x") else "{:.2f}"
-            iv = f"{fmt.format(r.lo * scale)}..{fmt.format(r.hi * scale)}"
-            lines.append(f"{r.name:<40} {r.quantity:<12} {fmt.format(r.predicted * scale):>10} {iv:>19} "
-                         f"{fmt.format(r.measured * scale):>10} "
+            num = lambda x: fmt.format(x * scale) if math.isfinite(x) else "-"      # noqa: E731  (not predicted)
+            iv = f"{num(r.lo)}..{num(r.hi)}" if math.isfinite(r.lo) or math.isfinite(r.hi) else "-"
+            err = "-" if not math.isfinite(r.error) else (f"{r.error:+.3f}" if r.absolute else f"{100 * r.error:+.1f}%")
+            lines.append(f"{r.name:<40} {r.quantity:<12} {num(r.predicted):>10} {iv:>19} {num(r.measured):>10} "
                          + (f"{100 * r.spread:>6.0f}%" if math.isfinite(r.spread) else f"{'-':>7}")
-                         + (f" {r.error:>+7.3f} " if r.absolute else f" {100 * r.error:>+7.1f}%")
-                         + (f"  [{r.note}]" if r.note else ""))
+                         + f" {err:>8}" + (f"  [{r.note}]" if r.note else ""))
         rel = [r for r in self.rows if not r.absolute]
         lines.append(f"median |error| over {len(rel)} rows: {100 * self.median_abs_error:.1f}% (spread: the "
                      "measurement's own (max − min)/median over its repeats)")
-        if len(rel) < len(self.rows):
-            lines.append(f"α rows: error = predicted − measured (absolute); largest |error| "
-                         f"{self.max_alpha_error:.3f}")
+        alpha = [r for r in self.rows if r.absolute]
+        if alpha:
+            n = sum(math.isfinite(r.error) for r in alpha)
+            lines.append("α rows: error = predicted − measured (absolute); " +
+                         (f"largest |error| {self.max_alpha_error:.3f} over {n} of {len(alpha)} rows" if n else
+                          f"none of the {len(alpha)} predicted: δ could not be calibrated on the other schedule "
+                          "(see the notes; the interval, where shown, is the prediction from an end of the source "
+                          "α's 95% interval that δ can reproduce)"))
         return "\n".join(lines)
 
 
