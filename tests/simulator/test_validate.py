@@ -101,3 +101,18 @@ def test_alpha_rows_predict_each_schedule_from_the_other():
     else:
         assert rep.max_alpha_error != rep.max_alpha_error      # nan: no α was predicted
     assert rep.as_dict()["rows"][1]["error_kind"] == "absolute"
+
+
+def test_table_marks_rows_it_did_not_predict():
+    """An α row whose δ could not be calibrated reads '-' (not 'nan'), and the summary says how many α rows were
+    predicted instead of printing a NaN maximum."""
+    nan = float("nan")
+    rel = validate.Row("reference native, batch 1", "T_den", "ms", 0.004, 0.0038, 0.0042, 0.005)
+    none = validate.Row("m oba α, batch 16", "α", "", nan, nan, nan, -0.1, note="δ not calibrated", absolute=True)
+    some = validate.Row("m flowblock α, batch 16", "α", "", 0.05, 0.03, 0.06, 0.01, note="δ 0.2", absolute=True)
+    text = validate.Report([rel, none]).table()
+    assert "nan" not in text and "none of the 1 predicted" in text
+    line = next(x for x in text.splitlines() if x.startswith("m oba"))
+    assert line[40:].split()[1:3] == ["-", "-"]     # after the name and quantity: predicted, interval
+    text = validate.Report([rel, none, some]).table()
+    assert "largest |error| 0.040 over 1 of 2 rows" in text and "nan" not in text
