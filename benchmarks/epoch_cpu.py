@@ -50,10 +50,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from dblock.cli_args import check_out_file  # noqa: E402
 from dblock.config import DecodeConfig  # noqa: E402
 from dblock.decoding.generate import generate, reference_forward  # noqa: E402
 from dblock.optimized.executor import epoch_forward  # noqa: E402
 from dblock.optimized.freshlane import moe_buffer_bytes  # noqa: E402
+from dblock.errors import ConfigError  # noqa: E402
 from dblock.optimized.plan import PathModel  # noqa: E402
 
 CONFIGS = ["dense", "full_compute", "epoch", "no_atlas", "no_lsp"]
@@ -70,6 +72,9 @@ MINI_SCALED = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_att
                    block_size=32)
 
 
+MODELS = ("mini-scaled", "tiny-masked")
+
+
 def load_model(name: str):
     if name == "tiny-masked":
         import dblock
@@ -77,7 +82,7 @@ def load_model(name: str):
     if name == "mini-scaled":
         from dblock.tiny import make_tiny_model
         return make_tiny_model("llada2_moe", seed=0, **MINI_SCALED)
-    raise SystemExit(f"unknown model {name!r}: tiny-masked, mini-scaled")
+    raise SystemExit(f"unknown model {name!r}: {', '.join(MODELS)}")
 
 
 def prompts_for(name, model, batch, rule="threshold", max_new=None):
@@ -219,8 +224,10 @@ def parse_cells(s: str) -> list:
     out = []
     for c in s.split(","):
         parts = c.strip().split(":")
-        if len(parts) != 3 or parts[1] not in ("threshold", "fixed-k") or not parts[2].isdigit():
-            raise SystemExit(f"--cells {c!r}: give model:rule:batch, e.g. mini-scaled:fixed-k:32")
+        if len(parts) != 3 or parts[1] not in ("threshold", "fixed-k") or not parts[2].isdigit() or \
+                int(parts[2]) < 1 or parts[0] not in MODELS:
+            raise SystemExit(f"--cells {c!r}: give model:rule:batch with model in {', '.join(MODELS)}, rule "
+                             "threshold or fixed-k and batch >= 1, e.g. mini-scaled:fixed-k:32")
         out.append((parts[0], parts[1], int(parts[2])))
     return out
 
@@ -355,8 +362,15 @@ def write_section(path: str, text: str) -> None:
         m = re.compile(r"^## ", re.M).search(old, start + len(SECTION))
         end = m.start() if m else len(old)
         new = old[:start] + text + ("\n" if m else "") + old[end:]
-    with open(path, "w") as f:
-        f.write(new)
+    _write_atomic(path, new)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file beside it: a crash leaves the old file or none."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def main():
@@ -374,12 +388,22 @@ def main():
     ap.add_argument("--write-benchmarks", nargs="?", const=os.path.join(ROOT, "BENCHMARKS.md"), default=None,
                     metavar="PATH", help="replace the section in BENCHMARKS.md (or PATH)")
     args = ap.parse_args()
+    try:                                # refuse bad output paths and cells now, not after the whole run
+        for path, flag in ((args.json, "--json"), (args.write_benchmarks, "--write-benchmarks")):
+            if path:
+                check_out_file(path, flag)
+        if args.repeats < 1 or args.calibration_repeats < 1:
+            raise ConfigError(f"--repeats {args.repeats} / --calibration-repeats {args.calibration_repeats}: "
+                              "must be >= 1")
+        cells = parse_cells(args.cells)
+    except ConfigError as e:
+        raise SystemExit(f"epoch_cpu.py: error: {e}") from None
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     machine = f"`{platform.platform()}`, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread"
     print(f"# benchmarks/epoch_cpu.py on {machine}")
     rows, loaded = [], {}
-    for name, rule, batch in parse_cells(args.cells):
+    for name, rule, batch in cells:
         if name not in loaded:
             loaded[name] = load_model(name)
         print(f"\n## {name}, {rule} rule, batch {batch}", flush=True)
@@ -390,8 +414,7 @@ def main():
     meta = {"machine": machine, "repeats": args.repeats, "minutes": minutes,
             "command": ".venv/bin/python benchmarks/epoch_cpu.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**meta, "rows": rows}, f, indent=1)
+        _write_atomic(args.json, json.dumps({**meta, "rows": rows}, indent=1))
     if args.markdown or args.write_benchmarks:
         text = markdown(rows, meta)
         if args.markdown:
