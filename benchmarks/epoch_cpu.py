@@ -226,8 +226,8 @@ def parse_cells(s: str) -> list:
         parts = c.strip().split(":")
         if len(parts) != 3 or parts[1] not in ("threshold", "fixed-k") or not parts[2].isdigit() or \
                 int(parts[2]) < 1 or parts[0] not in MODELS:
-            raise SystemExit(f"--cells {c!r}: give model:rule:batch with model in {', '.join(MODELS)}, rule "
-                             "threshold or fixed-k and batch >= 1, e.g. mini-scaled:fixed-k:32")
+            raise ConfigError(f"--cells {c!r}: give model:rule:batch with model in {', '.join(MODELS)}, rule "
+                              "threshold or fixed-k and batch >= 1, e.g. mini-scaled:fixed-k:32")
         out.append((parts[0], parts[1], int(parts[2])))
     return out
 

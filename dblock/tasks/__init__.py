@@ -27,12 +27,19 @@ _VARIANTS = {"arith-small": dict(mix=None, add_digits=(1, 4), rev_len=(1, 6)),
 _MIXABLE = ("arith", "arith-long")    # `NAME:kind=W,...` re-weights these
 
 
+def base_task(name: str) -> str:
+    """A task name without its kind weights: 'arith-long:add=3,div=4,rev=1' -> 'arith-long'. Weights change which
+    problems training draws, not the problems or the split rule (`ArithTask.split_of`), so a model trained on a
+    reweighted mix is evaluated on its base task's held-out split like one trained on the task itself."""
+    return name.partition(":")[0]
+
+
 def get_task(name: str, **kwargs) -> ArithTask:
     if name in _FIXED:
         return ArithTask(mix=_FIXED[name], name=name, **kwargs)
     if name in _VARIANTS:
         return ArithTask(name=name, **{**_VARIANTS[name], **kwargs})
-    base, sep, spec = name.partition(":")
+    base, sep, spec = name.partition(":")           # base == base_task(name)
     if sep and base in _MIXABLE:
         try:
             mix = {k.strip(): float(v) for k, v in (item.split("=") for item in spec.split(","))}
@@ -45,5 +52,4 @@ def get_task(name: str, **kwargs) -> ArithTask:
 
 
 __all__ = ["ArithTask", "BOS_ID", "BUNDLED_TASK", "CharTokenizer", "EOS_ID", "Example", "MARKER", "MASK_ID", "PAD_ID",
-           "Task",
-           "answer_text", "get_task", "solve"]
+           "Task", "answer_text", "base_task", "get_task", "solve"]

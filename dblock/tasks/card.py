@@ -63,13 +63,6 @@ def _stage(summary: dict, name: str) -> dict:
                            if summary.get("evals") else None)}
 
 
-def base_task(task: str) -> str:
-    """A task name without its kind weights: 'arith-long:add=3,div=4,rev=1' -> 'arith-long'. Weights change
-    which problems training draws, not the problems or the split rule (`ArithTask.split_of`), so a model trained on
-    a reweighted mix is evaluated on the task's held-out split like one trained on the task itself."""
-    return task.split(":", 1)[0]
-
-
 def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] = None,
                eval_task: Optional[str] = None) -> dict:
     """The card's numbers. `summary`: the training summary, or the list of a recipe's stage summaries in order
@@ -283,6 +276,7 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
               name: Optional[str] = None, also_schedules=(), notes=()) -> dict:
     """Evaluate `model` with `run_eval("dblock eval ...")` (the CLI's in-process runner) and write its card and
     loss_curve.png. `summary_paths`: one train_summary.json, or one per stage of the recipe in order."""
+    from dblock.tasks import base_task
     from dblock.weights import resolve_model_path
 
     folder = resolve_model_path(model)
