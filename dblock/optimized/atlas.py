@@ -21,6 +21,7 @@ Worked example (N = 2 rows, E = 4, K = 1, m = 1, α = 0.9, q = 1.0, B = 1, c = 1
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -64,51 +65,65 @@ def router_scores(logits_TE: torch.Tensor, bias_E, cfg):
     return p, p
 
 
+def _top2(x_TGX: torch.Tensor):
+    """(hi, lo) (T, G): the largest and second-largest entry of each group (-inf where a group has fewer than two
+    entries above -inf), by a tournament of elementwise max/min over the group members -- the same two numbers
+    `topk(2)` returns, in a few elementwise ops instead of T·G small sorts (the CPU's topk over 8 entries costs
+    ~50 ns a group). Group members are padded with -inf up to a power of two."""
+    T, G, X = x_TGX.shape
+    P2 = 1 << max(X - 1, 0).bit_length()
+    h = x_TGX.new_full((P2, T, G), NEG)
+    h[:X] = x_TGX.permute(2, 0, 1)                                   # members first: contiguous halves below
+    if P2 == 1:
+        return h[0], h.new_full((T, G), NEG)
+    k = P2 // 2
+    hi, lo = torch.maximum(h[:k], h[k:]), torch.minimum(h[:k], h[k:])
+    while k > 1:                        # merge halves: top-2 of A ∪ B = (max(a1, b1), max(min(a1, b1), a2, b2))
+        k //= 2
+        h0, h1, l0, l1 = hi[:k], hi[k:], lo[:k], lo[k:]
+        hi, lo = torch.maximum(h0, h1), torch.maximum(torch.minimum(h0, h1), torch.maximum(l0, l1))
+    return hi[0], lo[0]
+
+
+def group_scores(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
+    """(T, G) group scores of the group-limited rule: the sum of a group's two best *finite* choice scores (one
+    finite score: that score; none: -inf, never kept). On finite scores exactly the reference's
+    `topk(2).values.sum(-1)` (the same two numbers added)."""
+    T, E = choice_TE.shape
+    hi, lo = _top2(choice_TE.view(T, cfg.n_group, E // cfg.n_group))
+    return torch.where(lo > NEG, hi + lo, hi)
+
+
+def _group_filter(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
+    """The choice scores with every expert outside the `topk_group` best groups set to -inf: the reference's
+    masked scores value for value (a kept expert's score + 0.0, a dropped one's + -inf)."""
+    T, E = choice_TE.shape
+    keep = group_scores(choice_TE, cfg).topk(cfg.topk_group, dim=-1).indices   # (T, topk_group)
+    drop_TG = choice_TE.new_full((T, cfg.n_group), NEG).scatter_(1, keep, 0.0)
+    return (choice_TE.view(T, cfg.n_group, E // cfg.n_group) + drop_TG[:, :, None]).view(T, E)
+
+
 def group_mask(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
-    """(T, E) bool: experts in the topk_group best groups, a group scored by the sum of its top-2 *finite* choice
-    scores (one finite score: that score; none: -inf, never chosen). Experts already at -inf stay ineligible."""
-    T, E = choice_TE.shape
-    if cfg.n_group <= 1:
-        return torch.isfinite(choice_TE)
-    g = choice_TE.view(T, cfg.n_group, E // cfg.n_group)              # (T, G, E/G)
-    # the two best scores of each group: max, then max with the argmax knocked out (cheaper than topk(2) on CPU,
-    # and the same two numbers, summed in the same order)
-    m1, i1 = g.max(dim=-1)                                            # (T, G)
-    m2 = g.scatter(-1, i1[..., None], NEG).amax(dim=-1)
-    f1, f2 = torch.isfinite(m1), torch.isfinite(m2)                  # >= 1 and >= 2 finite scores
-    zero = torch.zeros((), dtype=m1.dtype, device=m1.device)
-    gscore = torch.where(f1, m1, zero) + torch.where(f2, m2, zero)
-    gscore = torch.where(f1, gscore, torch.full_like(gscore, NEG))
-    return _kept_groups(gscore, g, cfg) & torch.isfinite(choice_TE)
+    """(T, E) bool: the experts a row may choose under the group rule (in its `topk_group` best groups, a group
+    scored as in `group_scores`) and not already at -inf."""
+    if cfg.score_function != "sigmoid" or cfg.n_group <= 1:
+        return choice_TE > NEG
+    return _group_filter(choice_TE, cfg) > NEG
 
 
-def _kept_groups(gscore_TG: torch.Tensor, g_TGX: torch.Tensor, cfg) -> torch.Tensor:
-    """(T, E) bool: the experts of each row's `topk_group` best-scored groups."""
-    keep = gscore_TG.topk(cfg.topk_group, dim=-1).indices               # (T, topk_group)
-    gmask = torch.zeros_like(gscore_TG, dtype=torch.bool).scatter_(1, keep, True)
-    T, G, X = g_TGX.shape
-    return gmask[:, :, None].expand_as(g_TGX).reshape(T, G * X)
-
-
-def group_mask_finite(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
-    """`group_mask` for choice scores that are all finite (no support applied: the Atlas candidates): the same
-    two numbers per group summed in the same order, without the -inf bookkeeping."""
-    T, E = choice_TE.shape
-    if cfg.n_group <= 1:
-        return torch.ones_like(choice_TE, dtype=torch.bool)
-    g = choice_TE.view(T, cfg.n_group, E // cfg.n_group)
-    m1, i1 = g.max(dim=-1)
-    return _kept_groups(m1 + g.scatter(-1, i1[..., None], NEG).amax(dim=-1), g, cfg)
+def choose(choice_TE: torch.Tensor, cfg):
+    """The router's choice over choice scores that may hold -inf (experts outside a support) -> (top-K choice
+    scores, ids), each (T, K), best first; -inf marks a slot with no eligible expert."""
+    if cfg.score_function == "sigmoid" and cfg.n_group > 1:
+        choice_TE = _group_filter(choice_TE, cfg)
+    return choice_TE.topk(cfg.num_experts_per_tok, dim=-1)
 
 
 def candidates(logits_TE: torch.Tensor, bias_E, cfg, m: int):
     """(W_TJ, I_TJ, R_T): the dense top-K (group rule applied) then the m next best by choice score."""
     w, b = router_scores(logits_TE, bias_E, cfg)
     K, E = cfg.num_experts_per_tok, w.shape[1]
-    if cfg.score_function == "sigmoid":
-        top = b.masked_fill(~group_mask_finite(b, cfg), NEG).topk(K, dim=-1).indices   # the router's own choice
-    else:
-        top = b.topk(K, dim=-1).indices
+    top = choose(b, cfg).indices                                     # the router's own choice
     J = min(E, K + m)
     rest = b.scatter(1, top, NEG).topk(J - K, dim=-1).indices if J > K else top[:, :0]
     I = torch.cat([top, rest], dim=1)                                # (T, J)
@@ -231,25 +246,29 @@ def coverage(W: torch.Tensor, I: torch.Tensor, R: torch.Tensor, support: torch.T
 # routing restricted to a support
 # ---------------------------------------------------------------------------------------------------------------
 
-def route_restricted(logits_TE: torch.Tensor, bias_E, cfg, allowed_TE: torch.Tensor):
+def route_restricted(logits_TE: torch.Tensor, bias_E, cfg, allowed_TE: Optional[torch.Tensor] = None):
     """The model's routing rule with experts outside `allowed_TE` given -inf choice scores *before* group scoring.
 
     Returns ids (T, K) int64 and weights (T, K) fp32. A slot that finds no eligible expert (a row whose kept
     groups hold fewer than K allowed experts) gets id -1 and weight 0; the remaining weights are renormalised as
-    the model would (LLaDA2) or left as probabilities (LLaDA-MoE). With every expert allowed this is exactly the
-    dense router (tested against `dblock.reference.llada.route_*`).
+    the model would (LLaDA2) or left as probabilities (LLaDA-MoE). `allowed_TE=None` (or every expert allowed) is
+    exactly the dense router, ids and weights bit for bit (tested against `dblock.reference.llada.route_*`): the
+    same choice scores reach the same final `topk`; only the group scores are computed by `_top2`'s tournament
+    instead of a `topk(2)` per group.
     """
     w, b = router_scores(logits_TE, bias_E, cfg)
-    K = cfg.num_experts_per_tok
-    b = b.masked_fill(~allowed_TE, NEG)
+    if allowed_TE is not None:
+        b = b.masked_fill(~allowed_TE, NEG)
+    top_b, ids = choose(b, cfg)
+    wk = w.gather(1, ids)
+    if allowed_TE is not None:
+        valid = top_b > NEG
+        wk = torch.where(valid, wk, torch.zeros_like(wk))
     if cfg.score_function == "sigmoid":
-        b = b.masked_fill(~group_mask(b, cfg), NEG)
-    top_b, ids = b.topk(K, dim=-1)
-    valid = torch.isfinite(top_b)
-    wg = w.gather(1, ids)
-    wk = torch.where(valid, wg, torch.zeros_like(wg))
-    if cfg.score_function == "sigmoid":
+        K = cfg.num_experts_per_tok
         if cfg.norm_topk_prob and K > 1:
             wk = wk / (wk.sum(-1, keepdim=True) + 1e-20)
         wk = wk * cfg.routed_scaling_factor
+    if allowed_TE is None:
+        return ids, wk
     return torch.where(valid, ids, torch.full_like(ids, -1)), wk

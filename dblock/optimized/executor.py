@@ -77,7 +77,6 @@ from dblock.optimized.freshlane import CommStats, LocalDispatcher, grouped_swigl
 from dblock.optimized.liveness import EMPTY, CacheArena, PassPlan, plan_passes
 from dblock.optimized.plan import BlockPlan, EpochConfig, PathModel
 from dblock.reference.executor import KVCache, LladaReference, build_layout, stack_past
-from dblock.reference.llada import route_llada2, route_llada_moe
 
 
 class TorchStages:
@@ -95,9 +94,9 @@ class TorchStages:
         return route_restricted(logits_FE, bias_E, cfg, allowed_FE)
 
     def route_all(self, logits_FE, bias_E, cfg):
-        """The model's own routing rule, every expert eligible (the reference router, bit for bit)."""
-        rule = route_llada2 if cfg.score_function == "sigmoid" else route_llada_moe
-        return rule(logits_FE, bias_E, cfg)
+        """The model's own routing rule, every expert eligible: the reference router's ids and weights bit for bit
+        (`atlas.route_restricted` without a support: group scores by a max/min tournament, tested with ties)."""
+        return route_restricted(logits_FE, bias_E, cfg)
 
     def experts(self, x_FH, ids_FK, w_FK, w_gate_EIH, w_up_EIH, w_down_EHI):
         """Grouped SwiGLU over the fresh worklist, weighted and summed over slots -> (F, H). By default the loop over

@@ -250,11 +250,60 @@ def test_state_machine_reaches_the_cache():
     assert max(f.age_hist) == 3 and inv.check_executor(f) == []
 
 
-@given(router_case())
-def test_the_finite_group_mask_equals_the_general_one_on_finite_scores(case):
-    """The Atlas candidates' group rule (no -inf bookkeeping) is the router's group rule wherever every choice
-    score is finite."""
-    from dblock.optimized.atlas import group_mask, group_mask_finite, router_scores
-    cfg, logits, bias, _ = case
+ODD_GROUPS = dict(family="llada2_moe", num_experts=20, num_experts_per_tok=3, n_group=4, topk_group=2)   # 5 a group
+
+
+@st.composite
+def tie_heavy_router_case(draw):
+    """Router inputs where ties are the rule: logits on a coarse grid (equal scores within and across groups),
+    saturated sigmoids (scores of exactly 1.0), a zero or absent bias; also 5-expert groups (not a power of two)."""
+    name = draw(st.sampled_from(sorted(ROUTERS) + ["odd-groups"]))
+    cfg = tiny_config(**(ODD_GROUPS if name == "odd-groups" else ROUTERS[name]))
+    N = draw(st.integers(1, 24))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    grid = draw(st.sampled_from([0.5, 1.0, 30.0]))
+    logits = torch.randint(-3, 4, (N, cfg.num_experts), generator=g).float() * grid
+    bias = None
+    if cfg.use_expert_bias:
+        bias = draw(st.sampled_from([None, "zero", "grid"]))
+        bias = None if bias is None else (torch.zeros(cfg.num_experts) if bias == "zero" else
+                                          torch.randint(-1, 2, (cfg.num_experts,), generator=g).float() * 0.25)
+    return cfg, logits, bias
+
+
+@given(st.one_of(router_case().map(lambda c: c[:3]), tie_heavy_router_case()))
+def test_plain_routing_is_the_reference_router_bit_for_bit(case):
+    """`route_restricted` without a support (the executor's router on the dense path and for unrestricted rows)
+    returns the reference router's ids in the same order and its weights bit for bit, ties included: the group
+    scores come from a max/min tournament instead of `topk(2)`, the final top-K from the same scores."""
+    cfg, logits, bias = case
+    ref_ids, ref_w = (route_llada2 if cfg.score_function == "sigmoid" else route_llada_moe)(logits, bias, cfg)
+    ids, w = route_restricted(logits, bias, cfg)
+    assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w)
+    every = torch.ones(logits.shape, dtype=torch.bool)
+    ids_all, w_all = route_restricted(logits, bias, cfg, every)
+    assert torch.equal(ids_all, ref_ids) and torch.equal(w_all, ref_w)
+
+
+@given(tie_heavy_router_case(), st.floats(0.0, 1.0), st.integers(0, 2 ** 31 - 1))
+def test_group_scores_are_the_top2_sums_of_finite_scores(case, density, seed):
+    """The tournament's group score is the sum of the group's two best finite scores (one: that score; none: -inf),
+    against `topk(2)` per group, on scores with -inf holes (experts outside a support) and ties."""
+    from dblock.optimized.atlas import group_mask, group_scores, router_scores
+    cfg, logits, bias = case
+    if cfg.n_group <= 1:
+        return
+    N, E = logits.shape
     _, b = router_scores(logits, bias, cfg)
-    assert torch.equal(group_mask_finite(b, cfg), group_mask(b, cfg))
+    allowed = torch.rand(N, E, generator=torch.Generator().manual_seed(seed)) < density
+    b = b.masked_fill(~allowed, float("-inf"))
+    top2 = b.view(N, cfg.n_group, E // cfg.n_group).topk(2, dim=-1).values
+    finite = torch.isfinite(top2)
+    want = torch.where(finite, top2, torch.zeros_like(top2)).sum(-1)
+    want = torch.where(finite[..., 0], want, torch.full_like(want, float("-inf")))
+    assert torch.equal(group_scores(b, cfg), want)
+    # the mask: finite experts of the kept groups
+    keep = want.topk(cfg.topk_group, dim=-1).indices
+    kept = torch.zeros_like(want, dtype=torch.bool).scatter_(1, keep, True)
+    expect = kept[:, :, None].expand(N, cfg.n_group, E // cfg.n_group).reshape(N, E) & torch.isfinite(b)
+    assert torch.equal(group_mask(b, cfg), expect)
