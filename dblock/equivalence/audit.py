@@ -66,7 +66,8 @@ class AuditedEpochExecutor(EpochExecutor):
             sup = lp.support
             chosen = c.ids_FK[in_plan]
             dense = c.dense or R.dense_P[p]              # the block took the dense path: routed with every expert
-            outside = 0 if sup is None or dense else int((~sup[chosen.clamp(min=0)] & (chosen >= 0)).sum())
+            plain = dense or p in c.build                # ... as is a block building its support this pass
+            outside = 0 if sup is None or plain else int((~sup[chosen.clamp(min=0)] & (chosen >= 0)).sum())
             srv = served.get(p)
             self.audit.append({
                 "pass": self._pass, "request": plan.request, "block": plan.block, "plan_pass": plan.passes,

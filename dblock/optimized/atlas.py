@@ -119,11 +119,15 @@ def choose(choice_TE: torch.Tensor, cfg):
     return choice_TE.topk(cfg.num_experts_per_tok, dim=-1)
 
 
-def candidates(logits_TE: torch.Tensor, bias_E, cfg, m: int):
-    """(W_TJ, I_TJ, R_T): the dense top-K (group rule applied) then the m next best by choice score."""
+def candidates(logits_TE: torch.Tensor, bias_E, cfg, m: int, top_TK: Optional[torch.Tensor] = None):
+    """(W_TJ, I_TJ, R_T): the dense top-K (group rule applied) then the m next best by choice score.
+
+    `top_TK`: the router's choice for these rows when the caller already has it (the executor on a build pass,
+    whose building rows were just routed with every expert): the ids `choose` would return, so the group rule and
+    the final top-K are not computed twice."""
     w, b = router_scores(logits_TE, bias_E, cfg)
     K, E = cfg.num_experts_per_tok, w.shape[1]
-    top = choose(b, cfg).indices                                     # the router's own choice
+    top = choose(b, cfg).indices if top_TK is None else top_TK       # the router's own choice
     J = min(E, K + m)
     rest = b.scatter(1, top, NEG).topk(J - K, dim=-1).indices if J > K else top[:, :0]
     I = torch.cat([top, rest], dim=1)                                # (T, J)

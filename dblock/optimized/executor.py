@@ -27,12 +27,14 @@ The MoE region of one layer (`EpochExecutor._moe`) is a pipeline of named steps 
   cache checks    `_check_cache`     every row a plan wants served passes `_cache_checks`, else its block goes fully
                                      fresh for this layer (fail closed, `_fall_back`); one vectorised check per
                                      layer, the per-block naming only when something failed
-  supports        `_supports_due`, `_build_supports`   Expert Atlas (re)builds S_l for the blocks that are due
-                                     (docs/algorithms.md §4.2)
   compact         `_compact`         the fresh rows of the whole batch into one (F, H) buffer
+  due             `_supports_due`    the blocks whose Expert Atlas support is (re)built this pass
   router          `_router_logits`   router logits of the fresh rows (a building block's rows are all among them)
+  route           `_route`           the model's rule restricted to each row's `_routing_support` (every expert
+                                     for a block that builds this pass)
+  supports        `_build_supports`  Expert Atlas (re)builds S_l for the due blocks from the rows just routed
+                                     (docs/algorithms.md §4.2); the support restricts their routing from the next pass
   path counters   `_count_paths`
-  route           `_route`           the model's rule restricted to each row's `_routing_support`
   experts         `_run_experts`     FreshLane (docs/algorithms.md §4.4): the dispatcher hands the rows to the
                                      stages' `experts`, which group the (row, expert) pairs by expert with one sort,
                                      run the expert MLPs over contiguous slices and combine the weighted outputs per
@@ -386,9 +388,9 @@ class EpochExecutor(Forward):
             self._compact(c)
         c.build = self._supports_due(c)
         self._router_logits(c)
+        self._route(c)
         self._build_supports(c)
         self._count_paths(c)
-        self._route(c)
         self._run_experts(c)
         self._add_shared(c)
         self._scatter(c)
@@ -486,15 +488,19 @@ class EpochExecutor(Forward):
 
     def _build_supports(self, c: LayerCall) -> None:
         """Expert Atlas: the candidates of every building block's rows in one call (their router logits are among the
-        fresh rows': a block builds only when all its rows are fresh, `_supports_due`), then one batched greedy build
-        (`atlas.build_supports`: each block's support is the one it would get alone)."""
+        fresh rows': a block builds only when all its rows are fresh, `_supports_due`; and `_route` has just routed
+        them with every expert, so their first K candidates are the ids it chose), then one batched greedy build
+        (`atlas.build_supports`: each block's support is the one it would get alone). The new support restricts the
+        block's routing from its next pass."""
         if not c.build:
             return
         R = c.R
         rows_G = torch.cat([R.plan_rows[p] for p in c.build])
         pos_G = torch.searchsorted(c.idx_F, rows_G)                        # idx_F is sorted and holds rows_G
         logits_GE = c.logits_FE.index_select(0, pos_G.to(c.logits_FE.device))
-        w_GJ, id_GJ, mass_G = (t.cpu() for t in candidates(logits_GE, c.moe.expert_bias, self.config, self.ap.m))
+        top_GK = c.ids_FK.index_select(0, pos_G.to(c.ids_FK.device))
+        w_GJ, id_GJ, mass_G = (t.cpu() for t in candidates(logits_GE, c.moe.expert_bias, self.config, self.ap.m,
+                                                            top_GK))
         lens = [R.plan_rows.lens[p] for p in c.build]
         for p, res in zip(c.build, build_supports(w_GJ, id_GJ, mass_G, lens, self.config.num_experts, self.ap)):
             self._set_support(c.li, R.plans[p], res)
@@ -528,10 +534,12 @@ class EpochExecutor(Forward):
         """(E,) bool: the experts a row of `plan` may be routed to at layer li; None = every expert."""
         return plan.layer(li).support
 
-    def _allowed(self, li: int, R: Rows, idx_X: torch.Tensor, device) -> Optional[torch.Tensor]:
-        """(X, E) bool: each row's routing support (its block's S_l; every expert for a dense block); None when no
-        block restricts it. Routing within every expert is the plain router bit for bit (tests/optimized)."""
-        sups = [None if R.dense_P[p] else self._routing_support(li, plan) for p, plan in enumerate(R.plans)]
+    def _allowed(self, li: int, R: Rows, idx_X: torch.Tensor, device, plain=()) -> Optional[torch.Tensor]:
+        """(X, E) bool: each row's routing support (its block's S_l; every expert for a dense block and for the
+        blocks in `plain`); None when no block restricts it. Routing within every expert is the plain router bit
+        for bit (tests/optimized)."""
+        sups = [None if R.dense_P[p] or p in plain else self._routing_support(li, plan)
+                for p, plan in enumerate(R.plans)]
         if all(sup is None for sup in sups):
             return None
         every = torch.ones(self.config.num_experts, dtype=torch.bool)
@@ -548,9 +556,10 @@ class EpochExecutor(Forward):
         return self.stages.route(logits_XE, moe.expert_bias, self.config, allowed_XE)
 
     def _route(self, c: LayerCall) -> None:
-        """The model's routing rule on the fresh rows, restricted to their block's support -> ids_FK, w_FK. The
-        plain router when no block of the call restricts it (and on the dense path)."""
-        allowed_FE = None if c.dense else self._allowed(c.li, c.R, c.idx_F, c.x_TH.device)
+        """The model's routing rule on the fresh rows, restricted to their block's support -> ids_FK, w_FK. A block
+        that builds its support this pass (all its rows fresh) routes with every expert, as on the dense path: its
+        first K candidates are then the ids chosen here. The plain router when no block of the call restricts it."""
+        allowed_FE = None if c.dense else self._allowed(c.li, c.R, c.idx_F, c.x_TH.device, plain=set(c.build))
         c.ids_FK, c.w_FK = self._route_rows(c.moe, c.logits_FE, allowed_FE)
 
     def _run_experts(self, c: LayerCall) -> None:

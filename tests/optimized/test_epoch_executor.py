@@ -256,3 +256,38 @@ def test_supports_are_built_only_where_every_row_of_the_block_is_fresh():
     assert any(a["plan_pass"] > 0 for a in built), "no rebuild after the cold pass: the test would prove nothing"
     assert all(a["pass_path"] == "dense" or a["fresh"] == a["N"] and a["path"] != "hot" for a in built)
     assert any(a["path"] == "hot" and a["support"] is not None and len(a["support"]) < 16 for a in f.audit)
+
+
+@pytest.mark.parametrize("path", ["auto", "epoch"])
+def test_a_building_block_routes_with_every_expert_and_its_candidates_are_that_choice(path):
+    """On the pass that builds a block's support the block's rows are routed with every expert (the plain router,
+    bit for bit), the build's first K candidates are exactly those ids, and the candidate lists equal the ones
+    computed from scratch; the new support restricts the block's routing from its next pass (audited)."""
+    from dblock.optimized import executor as X
+    from dblock.optimized.atlas import candidates, route_restricted
+    m = make_tiny_model("llada2_moe", seed=6, num_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2)
+    f = audited_epoch_forward(m, "epoch", refresh=3, update_every=2, path=path)
+    seen = {"builds": 0, "restricted": 0}
+    real_candidates = X.candidates
+
+    def checked(logits, bias, cfg, mm, top=None):
+        assert top is not None, "the executor recomputed the router's choice for a build"
+        ids, _ = route_restricted(logits, bias, cfg)
+        assert torch.equal(top, ids.to(top.device))                  # routed with every expert on the build pass
+        got = real_candidates(logits, bias, cfg, mm, top)
+        for a, b in zip(got, real_candidates(logits, bias, cfg, mm)):
+            assert torch.equal(a, b)
+        seen["builds"] += 1
+        return got
+    X.candidates = checked
+    try:
+        generate(f, prompts(5, seed=4), DecodeConfig(max_new_tokens=40))
+    finally:
+        X.candidates = real_candidates
+    assert seen["builds"] > 0
+    for a in f.audit:
+        assert a["routed_outside_support"] == 0
+        if a["pass_path"] == "epoch" and a["support"] is not None and len(a["support"]) < 16 \
+                and a["built_at"] < a["plan_pass"]:
+            seen["restricted"] += 1
+    assert seen["restricted"] > 0, "no pass routed within a real support: the test would prove nothing"
