@@ -36,10 +36,13 @@ Ratios are taken within one run on one machine. Never used by tests.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import os
 import platform
 import re
+import resource
 import shlex
 import statistics
 import sys
@@ -111,6 +114,24 @@ def _dec(model, max_new, rule):
     return DecodeConfig(max_new_tokens=max_new)
 
 
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def steady_allocator() -> str:
+    """Keep freed memory inside the process (glibc `mallopt`: M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB), so
+    that a pass does not page-fault its buffers back in after the previous configuration's run returned them to the
+    OS. Without it the thread clock (which counts system time) charges a configuration 0-70 ms a pass of page
+    faults depending on what ran before it (measured at batch 128). PyTorch's CPU tuning guide recommends a caching
+    allocator (jemalloc, tcmalloc) for the same reason. -> how the allocator was set, for the machine line."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(-3, 1 << 30) == 1 and libc.mallopt(-1, (1 << 31) - 1) == 1   # M_MMAP_ / M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        ok = False
+    return ("glibc malloc held steady (`mallopt` M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB)" if ok else
+            "the default allocator (`mallopt` unavailable)")
+
+
 class MoETimer:
     """Thread-CPU time inside the reference model's MoE modules and, separately, their shared experts (forward
     hooks; counted only while `on`: denoising calls, not appends)."""
@@ -150,15 +171,19 @@ def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
         fwd = epoch_forward(model, config, path=path, path_model=path_model)
     orig = fwd.denoise
     acc = {"cpu": 0.0, "wall": 0.0, "calls": 0, "rows": 0, "n_fresh": 0.0, "computed": 0, "layer_rows": 0,
-           "moe_cpu": 0.0, "moe_bytes": 0, "moe_bytes_sum": 0, "dense_calls": 0}
+           "moe_cpu": 0.0, "moe_bytes": 0, "moe_bytes_sum": 0, "dense_calls": 0, "sys": 0.0, "minflt": 0}
 
     def denoise(items):
         if timer is not None:
             timer.on = True
+        r0 = resource.getrusage(RUSAGE_THREAD)
         t0, c0 = time.perf_counter(), time.thread_time()
         out = orig(items)
         acc["cpu"] += time.thread_time() - c0
         acc["wall"] += time.perf_counter() - t0
+        r1 = resource.getrusage(RUSAGE_THREAD)
+        acc["sys"] += r1.ru_stime - r0.ru_stime
+        acc["minflt"] += r1.ru_minflt - r0.ru_minflt
         if timer is not None:
             timer.on = False
         acc["calls"] += 1
@@ -190,6 +215,7 @@ def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
     n = max(1, acc["calls"])
     Y = res.summary()["Y"]
     return {"cpu_per_pass": acc["cpu"] / n, "wall_per_pass": acc["wall"] / n, "moe_per_pass": acc["moe_cpu"] / n,
+            "sys_per_pass": acc["sys"] / n, "minflt_per_pass": acc["minflt"] / n,
             "shared_per_pass": acc.get("shared_cpu", 0.0) / n, "moe_share": acc["moe_cpu"] / max(acc["cpu"], 1e-12),
             "TPS": Y / max(acc["cpu"], 1e-12), "TPS_wall": Y / max(acc["wall"], 1e-12), "passes": acc["calls"],
             "fresh_frac": acc["n_fresh"] / max(1, acc["rows"]), "computed_frac": acc["computed"] / acc["layer_rows"],
@@ -256,6 +282,7 @@ def run_cell(name, model, rule, batch, args) -> list:
                "TPS": med(runs, "TPS"), "TPS_wall": med(runs, "TPS_wall"),
                "cpu_ms_per_pass": 1e3 * med(runs, "cpu_per_pass"), "wall_ms_per_pass": 1e3 * med(runs, "wall_per_pass"),
                "moe_share": med(runs, "moe_share"), "moe_ms_per_pass": 1e3 * med(runs, "moe_per_pass"),
+               "sys_ms_per_pass": 1e3 * med(runs, "sys_per_pass"), "minflt_per_pass": med(runs, "minflt_per_pass"),
                "fresh_frac": f, "computed_frac": r0["computed_frac"], "dense_calls": r0["dense_calls"],
                "passes": r0["passes"], "moe_buffer_bytes": r0["moe_bytes"],
                "moe_buffer_bytes_mean": r0["moe_bytes_mean"],
@@ -312,7 +339,8 @@ def markdown(rows, meta) -> str:
            "skippable, so B is generous), and the share of it reached (above 100% where the dense path itself beats "
            "the reference); identical outputs, requests whose whole output equals the dense run's. Below each table: "
            "the MoE region's row-buffer bytes (`last_pass_stats()[\"moe_buffer_bytes\"]`, peak and mean over passes; "
-           "for dense the same accounting over every row) and the measured path profiles.", ""]
+           "for dense the same accounting over every row), the system time and page faults per pass, and the "
+           "measured path profiles.", ""]
     cells = []
     for r in rows:
         key = (r["model"], r["rule"])
@@ -344,6 +372,11 @@ def markdown(rows, meta) -> str:
                         for r in sub if r["batch"] == big)
         out += ["", f"MoE-region buffers at batch {big}, peak / mean over passes (MiB; the peak is an all-fresh pass, "
                     f"the mean follows f): {mem}."]
+        sysl = "; ".join(f"batch {b}: " + ", ".join(f"{r['config']} {r['sys_ms_per_pass']:.2f} ms / "
+                                                    f"{r['minflt_per_pass']:.0f}"
+                                                    for r in sub if r["batch"] == b)
+                         for b in sorted({r["batch"] for r in sub}))
+        out.append(f"System time and minor page faults per pass (inside the CPU ms above): {sysl}.")
         if pms:
             out.append(f"Measured path profiles at batch {big}: " + "; ".join(
                 f"{c}: m = {p['moe_share']:.3f}, o = {p['overhead_share']:.3f}, f* = {p['break_even']:.3f}"
@@ -383,6 +416,9 @@ def main():
                     help="measured: the cell's own per-machine profile; cost: the roofline cost model (default "
                          "hardware of EpochConfig)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="override the cells' token budgets (smoke runs)")
+    ap.add_argument("--allocator", choices=["steady", "default"], default="steady",
+                    help="steady: keep freed memory in the process (glibc mallopt), so that page faults do not "
+                         "depend on which configuration ran before; default: leave malloc as it is")
     ap.add_argument("--json", default=None, help="write all rows to this file")
     ap.add_argument("--markdown", action="store_true", help="print the BENCHMARKS.md section")
     ap.add_argument("--write-benchmarks", nargs="?", const=os.path.join(ROOT, "BENCHMARKS.md"), default=None,
@@ -399,8 +435,10 @@ def main():
     except ConfigError as e:
         raise SystemExit(f"epoch_cpu.py: error: {e}") from None
     torch.set_num_threads(1)
+    alloc = steady_allocator() if args.allocator == "steady" else "the default allocator"
     t_start = time.perf_counter()
-    machine = f"`{platform.platform()}`, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread"
+    machine = (f"`{platform.platform()}`, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread, "
+               f"{alloc}")
     print(f"# benchmarks/epoch_cpu.py on {machine}")
     rows, loaded = [], {}
     for name, rule, batch in cells:
@@ -411,7 +449,7 @@ def main():
         print_rows(cell)
         rows += cell
     minutes = (time.perf_counter() - t_start) / 60
-    meta = {"machine": machine, "repeats": args.repeats, "minutes": minutes,
+    meta = {"machine": machine, "allocator": args.allocator, "repeats": args.repeats, "minutes": minutes,
             "command": ".venv/bin/python benchmarks/epoch_cpu.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
     if args.json:
         _write_atomic(args.json, json.dumps({**meta, "rows": rows}, indent=1))

@@ -65,15 +65,22 @@ def router_scores(logits_TE: torch.Tensor, bias_E, cfg):
     return p, p
 
 
+# Below this many choice scores in a call (rows x experts) one `topk(2)` per group is cheaper than the tournament
+# (a fixed ~20 us of elementwise calls); above it the tournament wins, 3-6x at 1,000 rows of 64 experts (measured on
+# the 2-core CPU of BENCHMARKS.md; both give the same two numbers, so the choice never changes a result).
+TOURNAMENT_MIN_SCORES = 8192
+
+
 def _top2(x_TGX: torch.Tensor):
     """(hi, lo) (T, G): the largest and second-largest entry of each group (-inf where a group has fewer than two
     entries above -inf), by a tournament of elementwise max/min over the group members -- the same two numbers
-    `topk(2)` returns, in a few elementwise ops instead of T·G small sorts (the CPU's topk over 8 entries costs
-    ~50 ns a group). Group members are padded with -inf up to a power of two."""
+    `topk(2)` returns, in a few elementwise calls instead of T·G small sorts (the CPU's topk over 8 entries costs
+    ~50 ns a group). Groups whose size is not a power of two are padded with -inf."""
     T, G, X = x_TGX.shape
+    h = x_TGX.permute(2, 0, 1)                                       # (X, T, G): halves are plain slices
     P2 = 1 << max(X - 1, 0).bit_length()
-    h = x_TGX.new_full((P2, T, G), NEG)
-    h[:X] = x_TGX.permute(2, 0, 1)                                   # members first: contiguous halves below
+    if P2 != X:
+        h = torch.cat([h, h.new_full((P2 - X, T, G), NEG)])
     if P2 == 1:
         return h[0], h.new_full((T, G), NEG)
     k = P2 // 2
@@ -85,20 +92,26 @@ def _top2(x_TGX: torch.Tensor):
     return hi[0], lo[0]
 
 
-def group_scores(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
+def group_scores(choice_TE: torch.Tensor, cfg, finite: bool = False) -> torch.Tensor:
     """(T, G) group scores of the group-limited rule: the sum of a group's two best *finite* choice scores (one
-    finite score: that score; none: -inf, never kept). On finite scores exactly the reference's
-    `topk(2).values.sum(-1)` (the same two numbers added)."""
+    finite score: that score; none: -inf, never kept). On finite scores (`finite`: the caller knows there is no
+    -inf) exactly the reference's `topk(2).values.sum(-1)`: the same two numbers added. `_top2`'s tournament on
+    calls of at least TOURNAMENT_MIN_SCORES scores, one `topk(2)` per group below."""
     T, E = choice_TE.shape
-    hi, lo = _top2(choice_TE.view(T, cfg.n_group, E // cfg.n_group))
-    return torch.where(lo > NEG, hi + lo, hi)
+    g = choice_TE.view(T, cfg.n_group, E // cfg.n_group)
+    if T * E >= TOURNAMENT_MIN_SCORES or g.shape[-1] < 2:
+        hi, lo = _top2(g)
+    else:
+        v = g.topk(2, dim=-1).values
+        hi, lo = v[..., 0], v[..., 1]
+    return hi + lo if finite else torch.where(lo > NEG, hi + lo, hi)
 
 
-def _group_filter(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
+def _group_filter(choice_TE: torch.Tensor, cfg, finite: bool = False) -> torch.Tensor:
     """The choice scores with every expert outside the `topk_group` best groups set to -inf: the reference's
     masked scores value for value (a kept expert's score + 0.0, a dropped one's + -inf)."""
     T, E = choice_TE.shape
-    keep = group_scores(choice_TE, cfg).topk(cfg.topk_group, dim=-1).indices   # (T, topk_group)
+    keep = group_scores(choice_TE, cfg, finite).topk(cfg.topk_group, dim=-1).indices   # (T, topk_group)
     drop_TG = choice_TE.new_full((T, cfg.n_group), NEG).scatter_(1, keep, 0.0)
     return (choice_TE.view(T, cfg.n_group, E // cfg.n_group) + drop_TG[:, :, None]).view(T, E)
 
@@ -111,11 +124,11 @@ def group_mask(choice_TE: torch.Tensor, cfg) -> torch.Tensor:
     return _group_filter(choice_TE, cfg) > NEG
 
 
-def choose(choice_TE: torch.Tensor, cfg):
-    """The router's choice over choice scores that may hold -inf (experts outside a support) -> (top-K choice
-    scores, ids), each (T, K), best first; -inf marks a slot with no eligible expert."""
+def choose(choice_TE: torch.Tensor, cfg, finite: bool = False):
+    """The router's choice over choice scores that may hold -inf (experts outside a support; `finite`: they do
+    not) -> (top-K choice scores, ids), each (T, K), best first; -inf marks a slot with no eligible expert."""
     if cfg.score_function == "sigmoid" and cfg.n_group > 1:
-        choice_TE = _group_filter(choice_TE, cfg)
+        choice_TE = _group_filter(choice_TE, cfg, finite)
     return choice_TE.topk(cfg.num_experts_per_tok, dim=-1)
 
 
@@ -127,7 +140,7 @@ def candidates(logits_TE: torch.Tensor, bias_E, cfg, m: int, top_TK: Optional[to
     the final top-K are not computed twice."""
     w, b = router_scores(logits_TE, bias_E, cfg)
     K, E = cfg.num_experts_per_tok, w.shape[1]
-    top = choose(b, cfg).indices if top_TK is None else top_TK       # the router's own choice
+    top = choose(b, cfg, finite=True).indices if top_TK is None else top_TK   # the router's own choice
     J = min(E, K + m)
     rest = b.scatter(1, top, NEG).topk(J - K, dim=-1).indices if J > K else top[:, :0]
     I = torch.cat([top, rest], dim=1)                                # (T, J)
@@ -263,7 +276,7 @@ def route_restricted(logits_TE: torch.Tensor, bias_E, cfg, allowed_TE: Optional[
     w, b = router_scores(logits_TE, bias_E, cfg)
     if allowed_TE is not None:
         b = b.masked_fill(~allowed_TE, NEG)
-    top_b, ids = choose(b, cfg)
+    top_b, ids = choose(b, cfg, finite=allowed_TE is None)
     wk = w.gather(1, ids)
     if allowed_TE is not None:
         valid = top_b > NEG

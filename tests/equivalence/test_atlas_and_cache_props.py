@@ -1,5 +1,7 @@
 """Property tests: Expert Atlas coverage and support-only routing on random scores; the LSP decoded-output cache as a
 state machine under random liveness sequences (the real Epoch executor, judged by `invariants.check_record`)."""
+import contextlib
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -250,6 +252,19 @@ def test_state_machine_reaches_the_cache():
     assert max(f.age_hist) == 3 and inv.check_executor(f) == []
 
 
+@contextlib.contextmanager
+def group_scoring(tournament: bool):
+    """Force the group scores through `_top2`'s tournament (every call) or `topk(2)` (every call of a test's
+    size) by moving the size switch."""
+    from dblock.optimized import atlas
+    old = atlas.TOURNAMENT_MIN_SCORES
+    atlas.TOURNAMENT_MIN_SCORES = 0 if tournament else 1 << 62
+    try:
+        yield
+    finally:
+        atlas.TOURNAMENT_MIN_SCORES = old
+
+
 ODD_GROUPS = dict(family="llada2_moe", num_experts=20, num_experts_per_tok=3, n_group=4, topk_group=2)   # 5 a group
 
 
@@ -278,11 +293,13 @@ def test_plain_routing_is_the_reference_router_bit_for_bit(case):
     scores come from a max/min tournament instead of `topk(2)`, the final top-K from the same scores."""
     cfg, logits, bias = case
     ref_ids, ref_w = (route_llada2 if cfg.score_function == "sigmoid" else route_llada_moe)(logits, bias, cfg)
-    ids, w = route_restricted(logits, bias, cfg)
-    assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w)
     every = torch.ones(logits.shape, dtype=torch.bool)
-    ids_all, w_all = route_restricted(logits, bias, cfg, every)
-    assert torch.equal(ids_all, ref_ids) and torch.equal(w_all, ref_w)
+    for tournament in (False, True):                     # both ways of scoring groups (they switch on size)
+        with group_scoring(tournament):
+            ids, w = route_restricted(logits, bias, cfg)
+            assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w)
+            ids_all, w_all = route_restricted(logits, bias, cfg, every)
+            assert torch.equal(ids_all, ref_ids) and torch.equal(w_all, ref_w)
 
 
 @given(tie_heavy_router_case(), st.floats(0.0, 1.0), st.integers(0, 2 ** 31 - 1))
@@ -301,9 +318,10 @@ def test_group_scores_are_the_top2_sums_of_finite_scores(case, density, seed):
     finite = torch.isfinite(top2)
     want = torch.where(finite, top2, torch.zeros_like(top2)).sum(-1)
     want = torch.where(finite[..., 0], want, torch.full_like(want, float("-inf")))
-    assert torch.equal(group_scores(b, cfg), want)
-    # the mask: finite experts of the kept groups
     keep = want.topk(cfg.topk_group, dim=-1).indices
     kept = torch.zeros_like(want, dtype=torch.bool).scatter_(1, keep, True)
     expect = kept[:, :, None].expand(N, cfg.n_group, E // cfg.n_group).reshape(N, E) & torch.isfinite(b)
-    assert torch.equal(group_mask(b, cfg), expect)
+    for tournament in (False, True):
+        with group_scoring(tournament):
+            assert torch.equal(group_scores(b, cfg), want)
+            assert torch.equal(group_mask(b, cfg), expect)      # the mask: finite experts of the kept groups

@@ -31,12 +31,16 @@ def test_smoke_run_writes_rows_and_section(tmp_path):
     res = _run("--cells", "tiny-masked:threshold:4", "--repeats", "1", "--calibration-repeats", "1",
                "--max-new-tokens", "16", "--json", str(out), "--write-benchmarks", str(md))
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    meta = json.loads(out.read_text())
+    rows = meta["rows"]
+    assert meta["allocator"] == "steady" and "malloc held steady" in meta["machine"]
     assert {r["config"] for r in rows} == {"dense", "full_compute", "epoch", "no_atlas", "no_lsp"}
     for r in rows:
-        assert {"model", "rule", "batch", "config", "TPS", "moe_share", "fresh_frac"} <= set(r)
+        assert {"model", "rule", "batch", "config", "TPS", "moe_share", "fresh_frac", "sys_ms_per_pass",
+                "minflt_per_pass"} <= set(r)
         if r["config"] == "epoch":
             assert {"bound", "fraction_of_bound"} <= set(r)
     text = md.read_text()
     assert "## Other section\n\nkept" in text and "## Epoch executor vs the dense reference on CPU" in text
+    assert "System time and minor page faults per pass" in text
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []     # no temporary file left
