@@ -45,7 +45,24 @@ def init_from_env(device: str = "cpu", timeout_s: float | None = None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo",
                             timeout=datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S))
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    atexit.register(_leave_group)
+
+
+def _leave_group() -> None:
+    """At exit: wait for every rank to reach its end (a barrier bounded by the group's timeout), then tear the group
+    down. Without the barrier a rank that finished first closed its gloo pairs while a slower rank (a loaded
+    machine) was still finishing, and the teardown could abort a process (SIGABRT)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except Exception:   # noqa: BLE001 - a peer that failed: tear down what is left
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:   # noqa: BLE001 - a broken group cannot always be torn down
+        pass
 
 
 def dispatcher_from_cli(model, ep: int | None, mode: str = "freshlane", device: str = "cpu",
