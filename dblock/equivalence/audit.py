@@ -7,8 +7,8 @@ carries none of it:
   _layer_output      `audit`: one record per (pass, block, MoE layer) — the block's path, fresh rows, rows served
                      from the decoded-output cache and their ages, newly decoded and decoded rows, the support and
                      its build (success, |U_l|, when), the routed (row, expert) pairs outside the support (none for a
-                     block that took the dense path: it routes its rows with every expert, the plain router's result
-                     exactly), the block's path this pass (`pass_path`: epoch | dense); and, while
+                     block that took the dense path or builds its support this pass: it routes its rows with every
+                     expert, the plain router's result exactly; `EpochExecutor.routes_plain`), the block's path this pass (`pass_path`: epoch | dense); and, while
                      `taps` is a dict (the shadow sets it per call), per MoE layer "routed" (every row's MoE output
                      after the cache merge minus the shared expert of its current input, (B, L, H): the reference's
                      routed tap plus exactly the MoE output's difference, since the cache serves routed and shared
@@ -65,8 +65,8 @@ class AuditedEpochExecutor(EpochExecutor):
             lp = plan.layer(li)
             sup = lp.support
             chosen = c.ids_FK[in_plan]
-            dense = c.dense or R.dense_P[p]              # the block took the dense path: routed with every expert
-            plain = dense or p in c.build                # ... as is a block building its support this pass
+            dense = c.dense or R.dense_P[p]              # the block took the dense path
+            plain = self.routes_plain(c, p)              # routed with every expert (dense, or building its support)
             outside = 0 if sup is None or plain else int((~sup[chosen.clamp(min=0)] & (chosen >= 0)).sum())
             srv = served.get(p)
             self.audit.append({

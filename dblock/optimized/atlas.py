@@ -270,8 +270,8 @@ def route_restricted(logits_TE: torch.Tensor, bias_E, cfg, allowed_TE: Optional[
     groups hold fewer than K allowed experts) gets id -1 and weight 0; the remaining weights are renormalised as
     the model would (LLaDA2) or left as probabilities (LLaDA-MoE). `allowed_TE=None` (or every expert allowed) is
     exactly the dense router, ids and weights bit for bit (tested against `dblock.reference.llada.route_*`): the
-    same choice scores reach the same final `topk`; only the group scores are computed by `_top2`'s tournament
-    instead of a `topk(2)` per group.
+    same choice scores reach the same final `topk`; only the group scores may come from `_top2`'s tournament
+    (`group_scores`: on large calls) instead of a `topk(2)` per group.
     """
     w, b = router_scores(logits_TE, bias_E, cfg)
     if allowed_TE is not None:

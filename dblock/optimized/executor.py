@@ -562,6 +562,11 @@ class EpochExecutor(Forward):
         allowed_FE = None if c.dense else self._allowed(c.li, c.R, c.idx_F, c.x_TH.device, plain=set(c.build))
         c.ids_FK, c.w_FK = self._route_rows(c.moe, c.logits_FE, allowed_FE)
 
+    def routes_plain(self, c: LayerCall, p: int) -> bool:
+        """Whether plan p's fresh rows were routed with every expert in this call (`_route`): the call or the block
+        took the dense path, or the block builds its support this pass."""
+        return c.dense or bool(c.R.dense_P[p]) or p in c.build
+
     def _run_experts(self, c: LayerCall) -> None:
         """FreshLane over the short worklist: the dispatcher groups the (row, expert) pairs by expert, runs the
         expert MLPs (the stages' `experts`; on the dense path their `experts_exact` where they have one: the
