@@ -458,17 +458,20 @@ class EpochExecutor(Forward):
         every expert now and with the support from its next epoch pass."""
         if not self.ecfg.atlas or self.ap.B >= self.config.num_experts:
             return []                   # B >= E: the initial support is every expert, nothing to build
-        due = []
-        for p, plan in enumerate(c.R.plans):
-            if c.R.dense_P[p] and not self.ecfg.lsp:
+        due, R, every = [], c.R, self.ap.update_every
+        all_fresh_P = None                  # per plan: every row fresh at this layer (made when first needed)
+        for p, plan in enumerate(R.plans):
+            if R.dense_P[p] and not self.ecfg.lsp:
                 continue                # without LSP every pass is all-fresh, so dense: a support would never be used
             lp = plan.layer(c.li)
-            if not (lp.built_at < 0 or plan.path in ("cold", "fallback") or
-                    plan.passes - lp.built_at >= self.ap.update_every):
+            if not (lp.built_at < 0 or plan.path in ("cold", "fallback") or plan.passes - lp.built_at >= every):
                 continue
-            if plan.path == "hot" and not c.dense and not c.R.dense_P[p] and \
-                    not bool(c.fresh_T[c.R.plan_rows[p]].all()):
-                continue                # some rows are served: wait for the block's next all-fresh pass
+            if plan.path == "hot" and not c.dense and not R.dense_P[p]:
+                if all_fresh_P is None:
+                    all_fresh_P = (torch.bincount(R.plan[c.fresh_T], minlength=len(R.plans)) ==
+                                   torch.tensor(R.plan_rows.lens)).tolist()
+                if not all_fresh_P[p]:
+                    continue            # some rows are served: wait for the block's next all-fresh pass
             due.append(p)
         return due
 
@@ -495,22 +498,25 @@ class EpochExecutor(Forward):
         if not c.build:
             return
         R = c.R
-        rows_G = torch.cat([R.plan_rows[p] for p in c.build])
-        pos_G = torch.searchsorted(c.idx_F, rows_G)                        # idx_F is sorted and holds rows_G
+        build_P = torch.zeros(len(R.plans), dtype=torch.bool)
+        build_P[c.build] = True
+        # the building rows' places among the fresh rows, in row order (= block order: c.build ascends)
+        pos_G = build_P[R.plan.index_select(0, c.idx_F)].nonzero(as_tuple=True)[0]
         logits_GE = c.logits_FE.index_select(0, pos_G.to(c.logits_FE.device))
         top_GK = c.ids_FK.index_select(0, pos_G.to(c.ids_FK.device))
         w_GJ, id_GJ, mass_G = (t.cpu() for t in candidates(logits_GE, c.moe.expert_bias, self.config, self.ap.m,
                                                             top_GK))
         lens = [R.plan_rows.lens[p] for p in c.build]
-        for p, res in zip(c.build, build_supports(w_GJ, id_GJ, mass_G, lens, self.config.num_experts, self.ap)):
-            self._set_support(c.li, R.plans[p], res)
+        results = build_supports(w_GJ, id_GJ, mass_G, lens, self.config.num_experts, self.ap)
+        sizes = torch.stack([res.support for res in results]).sum(1).tolist()
+        for p, res, size in zip(c.build, results, sizes):
+            self._set_support(c.li, R.plans[p], res, size)
 
-    def _set_support(self, li: int, plan: BlockPlan, res) -> None:
-        """Keep a build's support (a support of every expert is kept as None: the plain router); a failed build
-        fails closed to all experts (counted)."""
+    def _set_support(self, li: int, plan: BlockPlan, res, size: int) -> None:
+        """Keep a build's support of `size` experts (a support of every expert is kept as None: the plain router); a
+        failed build fails closed to all experts (counted)."""
         lp = plan.layer(li)
         lp.built_at, lp.support_ok, lp.under = plan.passes, res.success, res.under
-        size = int(res.support.sum())
         full = size >= self.config.num_experts
         lp.support = res.support if res.success and not full else None
         lp.support_size = size if lp.support is not None else None
