@@ -277,6 +277,13 @@ def _progress_bar(folder: str, files: list, progress: Optional[bool]):
                 disable=False, dynamic_ncols=True)
 
 
+#: Byte alignment of every host tensor `stream_tensors` yields (what torch's CPU allocator gives). safetensors may hand out
+#: a tensor at the file's own offset (e.g. 36 bytes past a 64-byte boundary); on an AVX-512 CPU a one-row `linear`
+#: over such a weight rounds differently in the last bit from the same weight made in memory (measured on the tiny
+#: DiffusionGemma), so a loaded model would not be the model that was saved, bit for bit.
+ALIGN = 64
+
+
 def stream_tensors(folder: str, want: dict, dtype=None, device=None, keep32=frozenset(),
                    progress: Optional[bool] = None):
     """Check the folder's keys against `want` ({key: shape}, optional keys end with '?'; see `expected`), then
@@ -313,9 +320,11 @@ def stream_tensors(folder: str, want: dict, dtype=None, device=None, keep32=froz
                             raise WeightsError(f"{f}: key {k!r} contains NaN or Inf")
                         if dtype is not None and k not in keep32:
                             t = t.to(dtype)
-                        if t.data_ptr() % ALIGN:            # where the file put it: copy into aligned memory
+                        if device is not None:
+                            t = t.to(device)
+                        if t.device.type == "cpu" and t.data_ptr() % ALIGN:   # where the file put it: realign
                             t = t.clone()
-                        yield k, (t.to(device) if device is not None else t)
+                        yield k, t
             except WeightsError:
                 raise
             except Exception as e:  # truncated data, bad offsets: safetensors/torch raise various types
@@ -325,13 +334,6 @@ def stream_tensors(folder: str, want: dict, dtype=None, device=None, keep32=froz
     finally:
         if bar is not None:
             bar.close()
-
-
-#: Byte alignment of every tensor `stream_tensors` yields (what torch's CPU allocator gives). safetensors may hand out
-#: a tensor at the file's own offset (e.g. 36 bytes past a 64-byte boundary); on an AVX-512 CPU a one-row `linear`
-#: over such a weight rounds differently in the last bit from the same weight made in memory (measured on the tiny
-#: DiffusionGemma), so a loaded model would not be the model that was saved, bit for bit.
-ALIGN = 64
 
 
 def _dtype(d):

@@ -12,6 +12,7 @@ from dblock.reference.gemma_config import FULL, SLIDING
 from dblock.reference.gemma_executor import GemmaReference
 from dblock.reference.gemma_tiny import make_tiny_gemma
 from dblock.tiny import save_for_transformers
+from dblock.weights import ALIGN
 
 # Random tiny configs covering the structural variants (overrides of dblock.reference.gemma_tiny.TINY_GEMMA).
 TINY_CONFIGS = {
@@ -59,9 +60,6 @@ def hf_twin(model, folder: str, exact: bool = True, dtype=None):
     hf, info = DiffusionGemmaForBlockDiffusion.from_pretrained(folder, output_loading_info=True, **kw)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return aligned(hf.eval())
-
-
-ALIGN = 64       # bytes: what torch's CPU allocator gives every tensor
 
 
 def aligned(module):
