@@ -75,13 +75,14 @@ MINI_SCALED = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_att
                    block_size=32)
 
 
-MODELS = ("mini-scaled", "tiny-masked")
+MODELS = ("mini-scaled", "tiny-masked", "code-masked")
+CODE_MODEL = {"path": "code-masked"}      # --code-masked PATH: another folder in the code-masked cells
 
 
 def load_model(name: str):
-    if name == "tiny-masked":
+    if name in ("tiny-masked", "code-masked"):
         import dblock
-        return dblock.load("tiny-masked")
+        return dblock.load(CODE_MODEL["path"] if name == "code-masked" else name)
     if name == "mini-scaled":
         from dblock.tiny import make_tiny_model
         return make_tiny_model("llada2_moe", seed=0, **MINI_SCALED)
@@ -90,7 +91,15 @@ def load_model(name: str):
 
 def prompts_for(name, model, batch, rule="threshold", max_new=None):
     """(prompt ids, grading or None, DecodeConfig). tiny-masked: held-out problems of its card task, 128 new tokens;
-    mini-scaled: random prompts of 8-23 tokens, 64 new tokens (two blocks)."""
+    code-masked: held-out problems of the code task, 64 new tokens (two blocks); mini-scaled: random prompts of 8-23
+    tokens, 64 new tokens (two blocks)."""
+    if name == "code-masked":
+        from dblock.tasks import get_task
+        from dblock.tasks.evaluate import TokenizerAdapter
+        tok = TokenizerAdapter.from_folder(model.source)
+        task = get_task("code")
+        exs = task.examples("test", batch)
+        return [tok.encode(e.prompt) for e in exs], (task, tok, exs), _dec(model, max_new or task.max_new_tokens, rule)
     if name == "tiny-masked":
         from dblock.tasks import get_task
         from dblock.tasks.evaluate import TokenizerAdapter
@@ -299,10 +308,33 @@ def run_cell(name, model, rule, batch, args) -> list:
             task, tok, exs = grading
             from dblock.tasks import answer_text
             row["accuracy"] = sum(task.grade(e.prompt, answer_text(t, tok)) for e, t in zip(exs, r0["tokens"])) / batch
+            if getattr(task, "style", None) == "code":
+                row.update(code_quality(task, tok, exs, r0["tokens"], dense[0]["tokens"]))
         if r0["paths"]:
             row["paths"] = r0["paths"]
         rows.append(row)
     return rows
+
+
+def code_quality(task, tok, exs, tokens, dense_tokens) -> dict:
+    """The code task's quality of one configuration's outputs: next-line exact and token accuracy with 95% bootstrap
+    CIs over requests, and the paired CI of the token-accuracy difference against the dense run's outputs."""
+    from dblock.tasks import answer_text
+    from dblock.tasks.code import bootstrap_ci, paired_bootstrap_ci
+
+    def scores(toks):
+        out = []
+        for e, t in zip(exs, toks):
+            ids = [int(i) for i in t]
+            ids = ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids
+            out.append(task.score(e, answer_text(t, tok), ids, tok.encode(e.answer)))
+        return out
+    mine, base = scores(tokens), scores(dense_tokens)
+    nle = [float(x["next_line_exact"]) for x in mine]
+    ta = [x["token_accuracy"] for x in mine]
+    return {"next_line_exact": sum(nle) / len(nle), "next_line_exact_ci": bootstrap_ci(nle),
+            "token_accuracy": sum(ta) / len(ta), "token_accuracy_ci": bootstrap_ci(ta),
+            "token_accuracy_delta_ci": paired_bootstrap_ci(ta, [x["token_accuracy"] for x in base])}
 
 
 def print_rows(rows):
@@ -316,7 +348,10 @@ def print_rows(rows):
               f"{r['speedup']:>8.2f} {100 * r['moe_share']:>5.1f} {r['fresh_frac']:>6.2f} {r['dense_calls']:>11.2f} "
               f"{mv:>10} {b:>6} {fb:>5} {r['moe_buffer_bytes'] / 2 ** 20:>7.2f}/"
               f"{r['moe_buffer_bytes_mean'] / 2 ** 20:<7.2f} "
-              f"{r['identical']:>6.2f}", flush=True)
+              f"{r['identical']:>6.2f}" + (f"  next-line {r['next_line_exact']:.3f} token-acc {r['token_accuracy']:.3f} "
+                                         f"(delta CI {r['token_accuracy_delta_ci'][0]:+.3f}..."
+                                         f"{r['token_accuracy_delta_ci'][1]:+.3f})" if "token_accuracy" in r else ""),
+              flush=True)
 
 
 def markdown(rows, meta) -> str:
@@ -419,6 +454,8 @@ def main():
     ap.add_argument("--allocator", choices=["steady", "default"], default="steady",
                     help="steady: keep freed memory in the process (glibc mallopt), so that page faults do not "
                          "depend on which configuration ran before; default: leave malloc as it is")
+    ap.add_argument("--code-masked", default="code-masked", metavar="MODEL",
+                    help="the model of the code-masked cells (default the bundled code-masked)")
     ap.add_argument("--json", default=None, help="write all rows to this file")
     ap.add_argument("--markdown", action="store_true", help="print the BENCHMARKS.md section")
     ap.add_argument("--write-benchmarks", nargs="?", const=os.path.join(ROOT, "BENCHMARKS.md"), default=None,
@@ -435,6 +472,7 @@ def main():
     except ConfigError as e:
         raise SystemExit(f"epoch_cpu.py: error: {e}") from None
     torch.set_num_threads(1)
+    CODE_MODEL["path"] = args.code_masked
     alloc = steady_allocator() if args.allocator == "steady" else "the default allocator"
     t_start = time.perf_counter()
     machine = (f"`{platform.platform()}`, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread, "

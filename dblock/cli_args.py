@@ -253,6 +253,13 @@ def add_special_tokens_arg(p):
                         "control token (default: it is plain text)")
 
 
+def resolve_max_new_tokens(args, task=None) -> None:
+    """A command whose parser leaves --max-new-tokens unset (None: `eval`, `verify`, `compare-schedules`) generates
+    the task's own length (`task.max_new_tokens`: the code task's 64) or 128."""
+    if getattr(args, "max_new_tokens", 0) is None:
+        args.max_new_tokens = getattr(task, "max_new_tokens", None) or 128
+
+
 def add_decode_args(p):
     g = p.add_argument_group("decoding")
     g.add_argument("--max-new-tokens", type=int_arg(1, MAX_TOKENS), default=128,

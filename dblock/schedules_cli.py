@@ -7,7 +7,7 @@ import os
 from dblock.cli_args import (MAX_BATCH, MAX_PROBLEMS, add_decode_args, add_executor_args, add_model_args,
                              add_special_tokens_arg, check_fits, check_out_dir, check_seed_span, decode_config,
                              encode_texts, int_arg, load_model, load_tokenizer, make_forward, model_config,
-                             schedule_from_args, seeds_arg)
+                             resolve_max_new_tokens, schedule_from_args, seeds_arg)
 
 
 def add_parser(sub) -> None:
@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--progress", action="store_true", help="show progress bars")
     add_decode_args(p)
     add_executor_args(p)
-    p.set_defaults(_run=run)
+    p.set_defaults(_run=run, max_new_tokens=None)     # None: the task's own length (code: 64), else 128
 
 
 def _prompts(args, folder, cfg):
@@ -100,6 +100,10 @@ def run(args) -> int:
         check_out_dir(args.trace_dir, "--trace-dir")
     # refused from config.json and tokenizer.json before the weights are read
     folder, cfg = model_config(args)
+    if args.task:
+        from dblock.tasks.cli import task_from_name
+        resolve_max_new_tokens(args, task_from_name(args.task))
+    resolve_max_new_tokens(args)
     seeds = args.seeds if isinstance(args.seeds, list) else seeds_arg(args.seeds)
     names = [s.strip() for s in args.schedules.split(",")] if args.schedules else list(DEFAULT_SCHEDULES)
     if args.plot and "native" not in names:

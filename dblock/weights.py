@@ -336,6 +336,22 @@ def stream_tensors(folder: str, want: dict, dtype=None, device=None, keep32=froz
             bar.close()
 
 
+def config_dtype(folder: str):
+    """The compute dtype config.json names (`torch_dtype`, or transformers 5's `dtype`), or None; a value that is
+    not a dtype name is a ConfigError naming the file and key."""
+    path = os.path.join(folder, "config.json")
+    raw = read_json(path)
+    for key in ("torch_dtype", "dtype"):
+        v = raw.get(key)
+        if v is None or v == "auto":
+            continue
+        try:
+            return _dtype(str(v).removeprefix("torch."))
+        except ConfigError:
+            raise ConfigError(f"{path}: {key} {v!r}: allowed float32, bfloat16, float16, float64") from None
+    return None
+
+
 def _dtype(d):
     if d is None or isinstance(d, torch.dtype):
         return d
@@ -396,12 +412,16 @@ def load(path_or_name: str, dtype=None, device=None, progress: Optional[bool] = 
     """Load a local HF folder, a bundled model name or a Hugging Face id already in the local cache (see
     `resolve_model_path`) into the family's reference model, validated first.
 
-    dtype: None keeps the stored dtype; "float32"/"bfloat16"/"float64" or a torch dtype converts (expert_bias
-    stays fp32). device: where the weights go ("cpu", "cuda"). progress: a bar per shard file on stderr (None:
+    dtype: None takes config.json's `torch_dtype` (or `dtype`) when it names one -- as transformers'
+    `torch_dtype="auto"` does; a checkpoint stored in bfloat16 whose config says float32 (the bundled code models) is
+    computed in float32 -- and otherwise keeps the stored dtype; "float32"/"bfloat16"/"float64" or a torch dtype
+    converts (expert_bias stays fp32). device: where the weights go ("cpu", "cuda"). progress: a bar per shard file on stderr (None:
     only for a large or sharded checkpoint on a terminal; see `stream_tensors`).
     """
     folder = resolve_model_path(path_or_name)
     cfg = load_config(folder)
+    if dtype is None:
+        dtype = config_dtype(folder)
     fam = FAMILIES[cfg.family]
     slots = fam.slots(cfg)
     with torch.device("meta"):
@@ -546,9 +566,13 @@ def staged_folder(out_dir: str, overwrite: bool = False):
 
 
 def write_model(model: torch.nn.Module, folder: str, extra_files: Optional[dict] = None,
-                max_shard_bytes: Optional[int] = None) -> None:
+                max_shard_bytes: Optional[int] = None, storage_dtype=None) -> None:
     """Write config.json + model.safetensors (or shards + index) with HF names, and `extra_files` ({name: str or
-    bytes}), into the existing folder `folder` (a staging folder: `save` is the safe way to write a model)."""
+    bytes}), into the existing folder `folder` (a staging folder: `save` is the safe way to write a model).
+
+    `storage_dtype` (e.g. "bfloat16"): store the floating tensors in that dtype (the fp32 slots, e.g. the expert
+    bias, stay fp32) and record the model's own dtype as config.json's `torch_dtype`, so that `load` computes in it
+    again (half the bytes on disk; the weights are rounded once)."""
     for name in extra_files or {}:
         if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or "\\" in name:
             raise ConfigError(f"extra_files: {name!r} is not a plain file name")
@@ -558,8 +582,15 @@ def write_model(model: torch.nn.Module, folder: str, extra_files: Optional[dict]
     save_file = safetensors.torch.save_file   # looked up per call: tests make it fail midway
     cfg = model.config
     tensors = {k: v.detach().contiguous().cpu() for k, v in export(model).items()}
+    hf = cfg.to_hf_dict()
+    if storage_dtype is not None:
+        store = _dtype(storage_dtype)
+        keep = {k for k, sl in FAMILIES[cfg.family].slots(cfg).items() if sl.fp32}
+        compute = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        tensors = {k: (v.to(store) if v.is_floating_point() and k not in keep else v) for k, v in tensors.items()}
+        hf["torch_dtype"] = str(compute).removeprefix("torch.")
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_dict(), f, indent=2)
+        json.dump(hf, f, indent=2)
     if max_shard_bytes is None:
         save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     else:

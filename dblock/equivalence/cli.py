@@ -21,7 +21,7 @@ import sys
 from dblock.cli_args import (MAX_PROBLEMS, ValueRefused, add_batch_size_arg, add_decode_args, add_executor_args,
                              add_model_args, add_special_tokens_arg, check_fits, check_out_file, decode_config,
                              encode_texts, float_arg, int_arg, load_model, load_tokenizer, model_config,
-                             schedule_from_args)
+                             resolve_max_new_tokens, schedule_from_args)
 
 CHECKS = ("full-compute", "paired-block", "world-size")
 
@@ -58,7 +58,7 @@ def add_parser(subparsers):
     add_special_tokens_arg(p)
     add_decode_args(p)
     add_executor_args(p)
-    p.set_defaults(executor="epoch", _run=_verify)
+    p.set_defaults(executor="epoch", _run=_verify, max_new_tokens=None)   # None: the task's length, else 128
     v = p.add_argument_group("verification")
     v.add_argument("--json", action="store_true", help="print the whole report as one JSON object")
     v.add_argument("--out", default=None, help="also write the JSON report to this file")
@@ -157,6 +157,10 @@ def _verify(args) -> int:
         check_out_file(args.plot, "--plot")
     # refused from config.json and tokenizer.json before the weights are read
     folder, cfg = model_config(args)
+    if args.task is not None:
+        from dblock.tasks.cli import task_from_name
+        resolve_max_new_tokens(args, task_from_name(args.task))
+    resolve_max_new_tokens(args)
     dec = decode_config(args, cfg.family, tokenizer=folder)
     spec = schedule_from_args(args)
     task = examples = tok = None

@@ -78,6 +78,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
+        # training only (`dblock.tasks.train.set_fused_attention`): the same attention through torch's fused
+        # scaled_dot_product_attention, faster with autograd; decoding always takes the explicit path below
+        self.fused = False
 
     def project_qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x (B, L, H), positions (B, L) -> q (B, N, L, D), k and v (B, G, L, D), normed and rotated."""
@@ -101,6 +104,9 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(x, positions)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)     # (B, G, S, D)
         vals = v if past_v is None else torch.cat([past_v, v], dim=2)     # (B, G, S, D)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None], enable_gqa=True)
+            return self.wo(y.transpose(1, 2).reshape(B, L, self.n_head * self.head_dim)), k, v
         rep = self.n_head // self.n_kv
         keys = keys.repeat_interleave(rep, dim=1)                         # (B, N, S, D)
         vals = vals.repeat_interleave(rep, dim=1)                         # (B, N, S, D)

@@ -1,6 +1,7 @@
 """Synthetic graded tasks and the character tokenizer for the tiny bundled models.
 
-`get_task(name)` names: `arith` (add + rev, 1:1), `arith-add`, `arith-rev`, `arith-small` (add + rev, 1:1, with
+`get_task(name)` names: `code` (completing held-out Python source, `dblock/tasks/code.py`; `code:seed=N` orders
+its problems with another seed), `arith` (add + rev, 1:1), `arith-add`, `arith-rev`, `arith-small` (add + rev, 1:1, with
 1..4-digit operands and 1..6-digit strings: about 3 blocks per answer),
 `arith-long` (the `groups` answer style of `dblock/tasks/arith.py`: add of 1..8-digit operands, div -- short
 division of a 2..8-digit number by one digit --, rev of 1..6 digits, weights 3:2:1; what the bundled tiny models are
@@ -34,7 +35,18 @@ def base_task(name: str) -> str:
     return name.partition(":")[0]
 
 
-def get_task(name: str, **kwargs) -> ArithTask:
+def get_task(name: str, **kwargs):
+    if base_task(name) == "code":
+        from dblock.tasks.code import CodeTask
+        if kwargs:
+            raise ValueError(f"task code: size options {sorted(kwargs)} apply to the arith tasks only")
+        seed = 0
+        if name != "code":
+            key, _, val = name.partition(":")[2].partition("=")
+            if key != "seed" or not val.isdigit():
+                raise ValueError(f"bad task {name!r}: the code task takes 'code' or 'code:seed=N'")
+            seed = int(val)
+        return CodeTask(seed=seed, name=name)
     if name in _FIXED:
         return ArithTask(mix=_FIXED[name], name=name, **kwargs)
     if name in _VARIANTS:
@@ -47,7 +59,7 @@ def get_task(name: str, **kwargs) -> ArithTask:
             raise ValueError(f"bad task mix {name!r}: expected e.g. 'arith:add=3,rev=1'") from None
         defaults = _VARIANTS.get(base, {})
         return ArithTask(name=name, **{**defaults, "mix": mix, **kwargs})
-    raise ValueError(f"unknown task {name!r}; known: {sorted(_FIXED) + sorted(_VARIANTS)}, 'arith:add=W,rev=W' or "
+    raise ValueError(f"unknown task {name!r}; known: {['code'] + sorted(_FIXED) + sorted(_VARIANTS)}, 'arith:add=W,rev=W' or "
                      "'arith-long:add=W,div=W,rev=W'")
 
 

@@ -82,7 +82,7 @@ def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] =
     stage_names = [f"{name}-stage{i + 1}" for i in range(len(stages) - 1)] + [name]
     keys = ("n", "split", "schedule", "decode", "accuracy", "accuracy_by_kind", "Y", "K", "F", "TPF",
             "passes_per_block_mean", "passes_per_block_mean_by_kind", "passes_per_block_hist",
-            "blocks_per_answer_mean", "eos_rate", "accuracy_by_grade")
+            "blocks_per_answer_mean", "eos_rate", "accuracy_by_grade", "metrics")
     card = {
         "name": name,
         "family": cfg["family"],
@@ -103,6 +103,8 @@ def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] =
         "eval_command": f"dblock eval --model {name} --task {cfg['task']} --n {n}",
         "eval": {k: result[k] for k in keys if k in result},
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}, torch {torch.__version__}",
+        "train_config": {k: cfg.get(k) for k in ("window", "batch_size", "lr", "fused_attention", "save_dtype")
+                         if k in cfg},
     }
     for i, st in enumerate(card["train_stages"][1:], 1):        # a later stage starts from the earlier one's folder
         st["command"] = re.sub(r"--init-from \S+", f"--init-from runs/{stage_names[i - 1]}", st["command"])
@@ -149,6 +151,33 @@ def plot_curve(stages: list, path: str) -> None:
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def _is_code(card: dict) -> bool:
+    return card["task"].partition(":")[0] == "code"
+
+
+def _code_data_text(card: dict) -> str:
+    from dblock.tasks.code import CONTEXT_CHARS, TOKEN_N
+    from dblock.tasks.code_corpus import SYMPY_VERSION, TEST_FRACTION, corpus_files
+    n_train, n_test = len(corpus_files("train")), len(corpus_files("test"))
+    cfg = card.get("train_config", {})
+    return (f"The Python sources of sympy {SYMPY_VERSION}, the package torch installs (read where pip put it at run "
+            f"time; nothing is downloaded or copied; BSD licence), split by file: a file is held out iff SHA-256 of "
+            f"its path falls in the lowest {TEST_FRACTION} of the hash range ({n_train} train files, {n_test} "
+            "held-out; `dblock/tasks/code_corpus.py`). Tokenizer: a byte-level BPE trained on the train split with "
+            f"the `tokenizers` library, vocabulary {card.get('vocab_size', '?')}, `<pad> <eos> <bos> <mask>` first "
+            "(`tokenizer.json`; `transformers.AutoTokenizer` loads the folder). Training examples are windows of "
+            f"{cfg.get('window', '?')} tokens starting at line starts of train files (files drawn by length; "
+            "`<eos>` after a file's end), every block noised and predicted from the clean blocks before it, the rows "
+            "of one block before a random prompt end kept clean (the block that holds a prompt's tail at decoding "
+            "time).\n\nEvaluation: the `code` task (`dblock/tasks/code.py`), held-out completion problems cut at a "
+            "line end of a held-out file -- after a function's signature and docstring (`body`) or after the header "
+            f"of a compound statement (`block`), the two kinds alternating -- with up to {CONTEXT_CHARS} characters "
+            "of whole preceding lines as the prompt and the file's continuation as the reference. Metrics: the next "
+            f"line exact (the task's accuracy), token accuracy over the first {TOKEN_N} generated tokens, and the "
+            "model's held-out loss per token (its masked-diffusion training loss on the reference continuation, an "
+            "upper bound on the NLL); 95% bootstrap CIs over problems")
 
 
 def _task_text(card: dict) -> str:
@@ -200,6 +229,57 @@ def _eval_lines(e: dict) -> str:
 - passes-per-block histogram (passes:blocks): {hist}"""
 
 
+def _code_eval_lines(e: dict) -> str:
+    m = e.get("metrics", {})
+
+    def metric(k, label, fmt="{:.3f}"):
+        if k not in m:
+            return ""
+        x = m[k]
+        return (f"- {label} **{fmt.format(x['mean'])}** (95% CI {fmt.format(x['ci'][0])}..{fmt.format(x['ci'][1])}, "
+                f"{x['n']} problems)\n")
+    kinds = ", ".join(f"{k} {v:.3f}" for k, v in e["accuracy_by_kind"].items())
+    hist = " ".join(f"{k}:{v}" for k, v in e["passes_per_block_hist"].items())
+    return (metric("next_line_exact", "next line exact") + f"  (by kind: {kinds})\n"
+            + metric("token_accuracy", "token accuracy, first 32 tokens")
+            + metric("loss_per_token", "held-out loss per token (nats)")
+            + f"- tokens Y={e['Y']}, blocks K={e['K']}, passes F={e['F']}, tokens per forward TPF={e['TPF']:.3f}\n"
+            f"- passes per block: mean **{e['passes_per_block_mean']:.2f}**; blocks per answer "
+            f"{e['blocks_per_answer_mean']:.2f}\n"
+            f"- passes-per-block histogram (passes:blocks): {hist}")
+
+
+def _atlas_text(card: dict) -> str:
+    a = card.get("atlas")
+    if not a:
+        return ""
+    E = a["experts"]
+    per = "; ".join(f"layer {ly['layer']}: {ly['support_mean']:.1f} [{ly['support_min']}, {ly['support_max']}]"
+                    for ly in a["layers"] if ly["support_mean"] is not None)
+    same, reqs = a["identical_outputs"]
+    if not a["builds"]:
+        return f"""## Expert Atlas (Epoch executor, the card's subset)
+
+    {a['command']}
+
+- no support builds: the start set B = {a['B']} holds every one of the E = {E} experts, so the Atlas is inert on this
+  model; decision agreement with the reference shadow {100 * a['decision_agreement']:.2f}%; identical outputs end to
+  end {same}/{reqs}
+
+"""
+    return f"""## Expert Atlas (Epoch executor, the card's subset)
+
+    {a['command']}
+
+- support builds {a['builds']}, coverage quota met on **{100 * a['quota_met']:.1f}%** of them; mean support
+  **{a['support_mean']:.1f} of E = {E} experts** ({100 * a['support_mean'] / E:.0f}%; start set B = {a['B']}), per layer
+  mean [min, max]: {per}
+- rows routed outside their support: {a['routed_outside_support']}; decision agreement with the reference shadow
+  {100 * a['decision_agreement']:.2f}%; identical outputs end to end {same}/{reqs}
+
+"""
+
+
 def _schedules_text(card: dict) -> str:
     out, base = [], card["eval"]
     for sched, e in (card.get("eval_schedules") or {}).items():
@@ -224,6 +304,8 @@ def render_markdown(card: dict) -> str:
                               "causal encoder + canvas decoder sharing weights, softmax router, sliding and full "
                               "attention layers)"}.get(card["family"], card["family"])
     png = "\n![training loss and held-out accuracy](loss_curve.png)\n" if card.get("train_stages") else ""
+    if _is_code(card):
+        return _render_code(card, fam, curve, png)
     return f"""# {card['name']}
 
 A tiny {card['family']} model bundled with dblock: {fam}.
@@ -253,6 +335,41 @@ structure) are real when Epoch and One Block Ahead are measured on a CPU. It is 
 """
 
 
+def _render_code(card: dict, fam: str, curve: str, png: str) -> str:
+    e = card["eval"]
+    return f"""# {card['name']}
+
+A small {card['family']} model bundled with dblock: {fam}, trained on Python source.
+{card['params']:,} parameters, size `{card['size']}`, block size {card['block_size']}, byte-level BPE tokenizer
+(vocabulary {card.get('vocab_size', '?')}). It exists so that Epoch's and One Block Ahead's claims are measured on a
+model whose blocks live many passes, as a real diffusion LM's do on code: some positions are certain early (syntax,
+indentation, closing brackets), others are not (names, literals). It completes Python; it is not a useful coding
+assistant.
+
+## Data
+
+{_code_data_text(card)}.
+
+## Training
+
+{_training_text(card)}
+{png}
+| step (last stage) | loss | token accuracy (noised positions) |
+|---|---|---|
+{curve}
+
+## Evaluation (held-out split, reference executor, the family's default decoding: block {card['block_size']}, \
+{e['decode']['rule']}{f" τ = {e['decode']['threshold']}" if e['decode']['rule'] == 'threshold' else ''}, \
+{e['decode']['max_new_tokens']} new tokens)
+
+    {card['eval_command']}
+
+{_code_eval_lines(e)}
+
+{_schedules_text(card)}{_atlas_text(card)}`card.json` holds these numbers; `tests/tasks/test_model_cards.py` re-runs the evaluation commands and checks them.
+"""
+
+
 def _weak_note(e: dict) -> str:
     weak = [k for k, v in e["accuracy_by_kind"].items() if v < 0.5]
     if not weak:
@@ -261,6 +378,42 @@ def _weak_note(e: dict) -> str:
             "problems still exercise the executors the same way: the equivalence suite and the schedule comparisons "
             "compare decoded tokens, whatever their truth, and they are the long, hesitant blocks (more passes per "
             "block) that early finishing and warm-up blocks are about.\n\n")
+
+
+def run_command(cmd: str) -> dict:
+    """Run a `dblock ...` command line with --json in-process (what the shell would run) and return its JSON."""
+    import contextlib
+    import io
+    import shlex
+
+    from dblock.cli import build_parser
+    argv = shlex.split(cmd)
+    if argv[0] != "dblock":
+        raise ValueError(f"{cmd!r}: not a dblock command")
+    args = build_parser().parse_args(argv[1:] + ["--json"])
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        args._run(args)
+    return json.loads(buf.getvalue().strip().splitlines()[-1])
+
+
+def atlas_summary(rep: dict, command: str) -> dict:
+    """The Expert Atlas numbers of a `dblock verify` report for the card: support sizes of the successful builds
+    (each restricts routing on its block's hot passes until the next build), the share of builds that met the
+    coverage quota, decision agreement and identical end-to-end outputs."""
+    cov = rep["main"]["coverage"]
+    layers = cov.get("layers", [])
+    builds = sum(ly["builds"] for ly in layers)
+    ok = sum(ly["success"] for ly in layers)
+    sup = sum(ly["support_mean"] * ly["success"] for ly in layers if ly["support_mean"] is not None)
+    e2e = rep.get("e2e") or {}
+    return {"command": command, "experts": cov.get("experts"), "B": cov.get("B"), "builds": builds,
+            "quota_met": ok / builds if builds else None, "support_mean": sup / ok if ok else None,
+            "layers": [{k: ly[k] for k in ("layer", "builds", "success", "support_mean", "support_min",
+                                           "support_max")} for ly in layers],
+            "routed_outside_support": cov.get("routed_outside_support"),
+            "decision_agreement": rep["main"]["decisions"]["agreement"],
+            "identical_outputs": [e2e.get("identical"), e2e.get("requests")]}
 
 
 def write_card(folder: str, card: dict) -> None:
@@ -308,9 +461,14 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
         public = f"dblock eval --model {name} --task {task} --n {n} --schedule {sched}"
         extra[sched] = (public, run_eval(f"dblock eval --model {folder} --task {task} --n {n} --schedule {sched}"))
     card = build_card(name, summaries, r, n, extra, eval_task=task)
+    with open(os.path.join(folder, "config.json")) as f:
+        card["vocab_size"] = json.load(f).get("vocab_size")
     sub = run_eval(f"dblock eval --model {folder} --task {task} --n {SUBSET_N}")
     card["subset"] = {"command": f"dblock eval --model {name} --task {task} --n {SUBSET_N}", "n": SUBSET_N,
                       "accuracy": sub["accuracy"], "correct": [bool(q["correct"]) for q in sub["requests"]]}
+    if base_task(task) == "code" and last["family"] == "llada2_moe":
+        cmd = f"dblock verify --model {{}} --task {task} --n {SUBSET_N} --no-probe"
+        card["atlas"] = atlas_summary(run_command(cmd.format(folder)), cmd.format(name))
     if notes:
         card["notes"] = list(notes)
     plot_curve(summaries, os.path.join(folder, "loss_curve.png"))

@@ -13,8 +13,8 @@ import os
 
 from dblock.cli_args import (MAX_PROBLEMS, ArgumentParser, ValueRefused, add_batch_size_arg, add_decode_args,
                              add_executor_args, add_model_args, check_fits, check_out_dir, decode_config, float_arg,
-                             int_arg, load_model, load_tokenizer, make_forward, model_config, schedule_from_args,
-                             seed_arg, seeds_arg)
+                             int_arg, load_model, load_tokenizer, make_forward, model_config, resolve_max_new_tokens,
+                             schedule_from_args, seed_arg, seeds_arg)
 
 #: task size ranges (--add-digits, --rev-len): an answer has to fit the tiny models' blocks and positions
 MAX_TASK_LEN = 64
@@ -23,8 +23,9 @@ MAX_TASK_LEN = 64
 # torch (tests/cli/test_fast_help.py checks they match).
 TRAIN_DEFAULTS = dict(seed=0, size="base", block_size=16, batch_size=32, lr=2e-3, warmup=100, bias_update=1e-3,
                       save_every=200, threads=1, min_lr_frac=0.05, curriculum_steps=0, curriculum_start=2,
-                      noisy_context=0.0, eval_every=0, eval_n=64)
-LLADA2_SIZE_NAMES = ("base", "micro", "small")   # sorted(dblock.tasks.train.LLADA2_SIZES)
+                      noisy_context=0.0, eval_every=0, eval_n=64, vocab_size=2048, window=288,
+                      fused_attention=False)
+LLADA2_SIZE_NAMES = ("base", "code", "code-micro", "micro", "small")   # sorted(dblock.tasks.train.LLADA2_SIZES)
 
 
 def _pair(s: str) -> tuple:
@@ -135,6 +136,21 @@ def add_parser(subparsers):
                    help=f"held-out accuracy every N steps, stored in the summary (default {d.eval_every}: off)")
     t.add_argument("--eval-n", type=int_arg(1, 100_000), default=d.eval_n,
                    help=f"test problems per in-training evaluation (default {d.eval_n})")
+    t.add_argument("--vocab-size", type=int_arg(261, 65536), default=d.vocab_size,
+                   help=f"--task code: vocabulary of the byte-level BPE built from the corpus (default {d.vocab_size})")
+    t.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="--task code: use FOLDER/tokenizer.json instead of building one (default: the --init-from "
+                        "model's, else built)")
+    t.add_argument("--window", type=int_arg(1, 65536), default=d.window,
+                   help=f"--task code: tokens per training window, a multiple of --block-size (default {d.window})")
+    t.add_argument("--block-warmup", default=None, metavar="BLOCK:STEPS,...",
+                   help="llada2_moe: train the first steps with smaller BD3 blocks, e.g. 1:500,4:300 (block 1 is "
+                        "next-token prediction; LLaDA2.0's block-size warm-up), then --block-size (default: none)")
+    t.add_argument("--fused-attention", action="store_true",
+                   help="train with torch's fused scaled_dot_product_attention (faster; the same function)")
+    t.add_argument("--save-dtype", default=None, choices=["bfloat16", "float16"],
+                   help="store the exported weights in this dtype (config.json records float32 as the dtype to "
+                        "compute in; default: as trained). With --resume of a finished run: export again")
     t.add_argument("--json", action="store_true", help="print the run summary as JSON")
     t.set_defaults(_run=_train)
 
@@ -155,7 +171,7 @@ def add_parser(subparsers):
     e.add_argument("--json", action="store_true", help="print one JSON object")
     add_decode_args(e)
     add_executor_args(e)
-    e.set_defaults(_run=_eval)
+    e.set_defaults(_run=_eval, max_new_tokens=None)     # None: the task's own length (code: 64), else 128
 
     c = subparsers.add_parser("model-card", help="evaluate a trained tiny model and write its MODEL_CARD.md + card.json",
                               description="Evaluate DIR with `dblock eval` defaults and write MODEL_CARD.md and "
@@ -192,7 +208,9 @@ def _train(args) -> int:
                       div_digits=args.div_digits, min_lr_frac=args.min_lr_frac,
                       curriculum_steps=args.curriculum_steps, curriculum_start=args.curriculum_start,
                       noisy_context=args.noisy_context, eval_every=args.eval_every, eval_n=args.eval_n,
-                      init_from=args.init_from)
+                      init_from=args.init_from, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+                      window=args.window, fused_attention=args.fused_attention, save_dtype=args.save_dtype,
+                      block_warmup=args.block_warmup)
     summary = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -203,6 +221,7 @@ def _eval(args) -> int:
     from dblock.tasks.evaluate import TokenizerAdapter, evaluate, format_report
 
     task = make_task_from_args(args)
+    resolve_max_new_tokens(args, task)
     # refused from config.json and tokenizer.json before the weights are read
     folder, cfg = model_config(args)
     dec = decode_config(args, cfg.family, tokenizer=folder)

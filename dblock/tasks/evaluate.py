@@ -60,7 +60,7 @@ def histogram(values) -> dict:
 def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConfig] = None,
              schedule: Any = "native", batch_size: Optional[int] = None, seeds: Optional[Sequence[int]] = None,
              tokenizer: Any = None, split: str = "test", start: int = 0, progress: bool = False,
-             examples: int = 0) -> dict:
+             examples: int = 0, loss: bool = True) -> dict:
     """Decode the first `n` problems of `split` and grade them.
 
     `model_or_forward`: a loaded model (reference executor) or any Forward (e.g. the Epoch executor).
@@ -73,6 +73,10 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
     per decoded request (per seed) — index in the split, seed, prompt, generated token ids, answer text, expected
     answer, correct, denoising passes F — so two executors' outputs can be compared token for token (`dblock eval
     --json`).
+
+    The `code` task (`dblock/tasks/code.py`) grades the next line (`accuracy` = next-line exact match) and adds per
+    request `next_line_exact`, `token_accuracy` and (with `loss`, once per problem) `loss_per_token`, and `metrics`:
+    their means with 95% bootstrap CIs over requests (`dblock.tasks.code_eval.summarize`).
     """
     from dblock.decoding.generate import generate
     from dblock.tasks import answer_text
@@ -88,6 +92,8 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
     tok = _as_tokenizer(tokenizer, model_or_forward)
     probs = task.examples(split, n, start=start)
     prompts = [tok.encode(e.prompt) for e in probs]
+    is_code = getattr(task, "style", None) == "code"
+    ref_ids = [tok.encode(e.answer) for e in probs] if is_code else None
     seeds = list(seeds) if seeds else [dec.seed]
     per_seed, all_passes, all_blocks, all_Y, kinds_ok, kinds_passes = [], [], [], [], {}, {}
     grade_ok: dict = {}
@@ -102,9 +108,13 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
         correct = 0
         for i, (e, ids, c) in enumerate(zip(probs, res.tokens, res.counters)):
             text = answer_text(ids, tok)
-            ok = task.grade(e.prompt, text)
+            ok = task.grade(e.prompt, text, example=e) if is_code else task.grade(e.prompt, text)
             requests.append({"index": start + i, "seed": seed, "prompt": e.prompt, "tokens": [int(t) for t in ids],
                              "text": text, "expected": e.answer, "correct": bool(ok), "passes": int(c.F)})
+            if is_code:
+                cut = [int(t) for t in ids]
+                cut = cut[:cut.index(tok.eos_id)] if tok.eos_id in cut else cut
+                requests[-1].update(task.score(e, text, cut, ref_ids[i]))
             correct += ok
             kinds_ok.setdefault(e.kind, []).append(ok)
             grade_ok.setdefault(e.kind, {}).setdefault(e.digits, []).append(ok)
@@ -154,6 +164,15 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
         "eos_rate": eos_count / runs,
         "requests": requests,
     }
+    if is_code:
+        if loss:
+            from dblock.tasks.code_eval import heldout_loss
+            model = getattr(model_or_forward, "model", model_or_forward)
+            per = heldout_loss(model, probs, tok)
+            for q in requests:
+                q["loss_per_token"] = per[q["index"] - start]
+        from dblock.tasks.code_eval import summarize
+        out["metrics"] = summarize(requests)
     if examples:
         out["examples"] = shown
     return out
@@ -174,6 +193,8 @@ def format_report(r: dict) -> str:
     if r.get("accuracy_by_grade"):
         lines.insert(2, "right/n by length: " + "; ".join(
             f"{k} " + " ".join(f"{g}:{a}/{b}" for g, (a, b) in by.items()) for k, by in r["accuracy_by_grade"].items()))
+    for k, m in (r.get("metrics") or {}).items():
+        lines.append(f"{k} {m['mean']:.4f} (95% CI {m['ci'][0]:.4f}..{m['ci'][1]:.4f}, n={m['n']})")
     for e in r.get("examples", []):
         mark = "ok " if e["correct"] else "BAD"
         lines.append(f"  [{mark}] {e['prompt']} {e['output']}  passes/block {e['passes_per_block']}")

@@ -81,6 +81,15 @@ LLADA2_SIZES = {
     "micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                   intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
                   num_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2),
+    # LLaDA2.0-mini's routing scaled down (64 experts top-8 in 8 groups keep 4, one shared expert, the first layer
+    # dense): the bundled code-masked model, 10.5M parameters with the 2048-token code vocabulary
+    "code": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 intermediate_size=384, moe_intermediate_size=96, num_experts=64, num_experts_per_tok=8,
+                 num_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4),
+    # the same routing at test scale (seconds per step)
+    "code-micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, intermediate_size=64, moe_intermediate_size=8, num_experts=16,
+                       num_experts_per_tok=4, num_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2),
 }
 
 
@@ -117,6 +126,14 @@ class TrainConfig:
                                      # warm-up block; see `noisy_context_mask` and train_uniform.uniform_loss)
     eval_every: int = 0              # > 0: held-out accuracy every this many steps (and at the end), in `evals`
     eval_n: int = 64                 # test problems per in-training evaluation
+    vocab_size: int = 2048           # task `code`: the byte-level BPE's vocabulary (dblock.tasks.code_corpus)
+    tokenizer: Optional[str] = None  # task `code`: take tokenizer.json from this folder instead of building it
+    window: int = 288                # task `code`: tokens per training window (a multiple of the block size)
+    save_dtype: Optional[str] = None  # store the exported weights in this dtype (e.g. "bfloat16"; config.json then
+                                     # names float32 as the dtype to compute in); the training state stays fp32
+    block_warmup: Optional[str] = None  # "1:500,4:300": BD3 block sizes of the first steps (`block_size_at`)
+    fused_attention: bool = False    # attention by torch's scaled_dot_product_attention in training (the same
+                                     # function, fused: ~1.6x faster steps; default off reproduces earlier runs)
     save_every: int = 200
     log_every: int = 10
     threads: int = 1                 # 1: on the shared 2-core box 2 threads ran 4x slower (oversubscription)
@@ -127,7 +144,7 @@ class TrainConfig:
 # model
 # ---------------------------------------------------------------------------------------------------------------
 
-def llada2_config(size: str = "base", block_size: int = 16, tokenizer: Optional[CharTokenizer] = None) -> ModelConfig:
+def llada2_config(size: str = "base", block_size: int = 16, tokenizer=None) -> ModelConfig:
     """A small llada2_moe config over the character tokenizer: every structural feature of LLaDA2.0 (GQA, partial
     rotary 0.5, QK-norm, a dense first layer, sigmoid group-limited routing with an expert bias, a shared expert)."""
     if size not in LLADA2_SIZES:
@@ -161,14 +178,49 @@ def init_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
                 b.zero_()
 
 
-def build_model(cfg: TrainConfig) -> torch.nn.Module:
+def build_model(cfg: TrainConfig, tok=None) -> torch.nn.Module:
+    """The seeded model of a run; `tok` (the run's tokenizer) sets the vocabulary and special ids (default: the
+    character tokenizer)."""
     if cfg.family == "diffusion_gemma":
         from dblock.tasks.train_uniform import build_gemma
-        return build_gemma(cfg)
-    from dblock.reference.llada import LladaModel
-    model = LladaModel(llada2_config(cfg.size, cfg.block_size))
-    init_weights(model, cfg.seed)
+        model = build_gemma(cfg, tok)
+    else:
+        from dblock.reference.llada import LladaModel
+        model = LladaModel(llada2_config(cfg.size, cfg.block_size, tok))
+        init_weights(model, cfg.seed)
+    if cfg.fused_attention:
+        set_fused_attention(model, True)
     return model
+
+
+def set_fused_attention(model, on: bool) -> None:
+    """Training-time attention through torch's fused `scaled_dot_product_attention` (the same function as the
+    reference's explicit softmax, computed in another order): `fused` on every attention module that has it."""
+    for mod in model.modules():
+        if hasattr(mod, "fused"):
+            mod.fused = bool(on)
+
+
+def make_tokenizer(cfg: TrainConfig, run_dir: str, resume: bool):
+    """The run's tokenizer: the character tokenizer, or for task `code` the byte-level BPE -- read back from the run
+    folder on --resume, taken from --tokenizer (or the --init-from model's folder), else built from the corpus --
+    and written into the run folder so that a resumed run uses the very same one."""
+    if not is_code_task(cfg.task):
+        return CharTokenizer()
+    from dblock.tasks.code_corpus import CodeTokenizer
+    if resume:
+        return CodeTokenizer.load(run_dir)
+    source = cfg.tokenizer
+    if source is None and cfg.init_from:
+        from dblock.weights import resolve_model_path
+        source = resolve_model_path(cfg.init_from)
+    tok = CodeTokenizer.load(source) if source else CodeTokenizer.build(cfg.vocab_size)
+    tok.save(run_dir)
+    return tok
+
+
+def is_code_task(name: str) -> bool:
+    return name.partition(":")[0] == "code"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -227,6 +279,8 @@ def draw_warm_blocks(B: int, L: int, C: int, prob: float, gen: torch.Generator) 
 
 
 def make_task(cfg: TrainConfig):
+    if is_code_task(cfg.task):
+        return get_task(cfg.task)
     kw = {}
     if cfg.add_digits:
         kw["add_digits"] = tuple(cfg.add_digits)
@@ -298,6 +352,55 @@ def batch_for_step(task, tok: CharTokenizer, cfg: TrainConfig, step: int):
     return x0, prompt
 
 
+def code_batch_for_step(windows, cfg: TrainConfig, step: int):
+    """The clean batch of step `step` on the code task: x0 (B, L = cfg.window) windows of the train split
+    (`dblock.tasks.code_corpus.TrainWindows`) and `fixed` (B, L) bool, the rows kept clean and out of the loss.
+
+    Every block of a window is trained (noised, and predicted from the clean blocks before it: BD3-LM), except that
+    each example draws a prompt end P uniform in [0, L/2] and the rows of P's block before P stay clean -- the
+    block that holds a prompt's tail at decoding time (the llada2 grid layout), whose first rows are fixed. A pure
+    function of (seed, step)."""
+    import numpy as np
+    B, L, C = cfg.batch_size, cfg.window, cfg.block_size
+    rng = np.random.default_rng(_step_seed(cfg.seed, step, 3))
+    x0 = torch.tensor([windows.window(rng) for _ in range(B)], dtype=torch.long)
+    P = rng.integers(0, L // 2 + 1, size=B)
+    fixed = torch.zeros(B, L, dtype=torch.bool)
+    for b, p in enumerate(P.tolist()):
+        fixed[b, (p // C) * C:p] = True
+    return x0, fixed
+
+
+def parse_block_warmup(spec: Optional[str]) -> list:
+    """'1:500,4:300' -> [(1, 500), (4, 300)]: train with block size 1 for 500 steps, then 4 for 300, then the
+    model's block size. A ValueError names a bad item."""
+    if not spec:
+        return []
+    out = []
+    for item in spec.split(","):
+        try:
+            c, n = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise ValueError(f"--block-warmup {spec!r}: give BLOCK:STEPS,..., e.g. 1:500,4:300") from None
+        if c < 1 or n < 1:
+            raise ValueError(f"--block-warmup {spec!r}: {item!r} needs a block size >= 1 and steps >= 1")
+        out.append((c, n))
+    return out
+
+
+def block_size_at(cfg: TrainConfig, step: int) -> int:
+    """The BD3 block size of optimizer step `step`: LLaDA2.0's block-size warm-up (`block_warmup`: small blocks
+    first -- block 1 is next-token prediction from a clean left context, the AR objective in the diffusion model's
+    own no-shift form -- then larger ones), then `block_size`. A window length is a multiple of every block size
+    used (checked when the run starts)."""
+    at = 0
+    for c, n in parse_block_warmup(cfg.block_warmup):
+        at += n
+        if step < at:
+            return c
+    return cfg.block_size
+
+
 def add_noise(x0: torch.Tensor, prompt: torch.Tensor, mask_id: int, eps: float, gen: torch.Generator):
     """Masked-diffusion forward process. Returns x_t, masked (B, L) bool, p (B,) fp32."""
     B, L = x0.shape
@@ -310,11 +413,12 @@ def add_noise(x0: torch.Tensor, prompt: torch.Tensor, mask_id: int, eps: float, 
     return xt, masked, p
 
 
-def diffusion_loss(model, x0, xt, masked, p, prompt, taps=None, warm=None):
+def diffusion_loss(model, x0, xt, masked, p, prompt, taps=None, warm=None, block_size=None):
     """LLaDA SFT loss with the BD3 mask: mean over examples of sum_masked CE/p / answer-region length.
-    `warm` (B,) long: per example the block trained with the warm-up view (`noisy_context_mask`), -1 none."""
+    `warm` (B,) long: per example the block trained with the warm-up view (`noisy_context_mask`), -1 none.
+    `block_size`: the BD3 block of this step (default the model's; see `block_size_at`)."""
     B, L = x0.shape
-    C = model.config.block_size
+    C = block_size or model.config.block_size
     tokens = torch.cat([xt, x0], dim=1)                                   # (B, 2L)
     positions = torch.arange(L).repeat(2)[None].expand(B, 2 * L)          # (B, 2L)
     if warm is None:
@@ -423,11 +527,23 @@ def eval_during_training(model, task, tok: CharTokenizer, cfg: TrainConfig, step
     rng = torch.get_rng_state()
     t0 = time.perf_counter()
     model.eval()
+    code = is_code_task(cfg.task)
+    fused = [m for m in model.modules() if getattr(m, "fused", False)]
+    set_fused_attention(model, False)          # decode exactly as `dblock eval` does
     try:
-        r = evaluate(model, task, n=cfg.eval_n, dec=DecodeConfig(rule=rule), tokenizer=tok)
+        dec = DecodeConfig(rule=rule, max_new_tokens=64) if code else DecodeConfig(rule=rule)
+        r = evaluate(model, task, n=cfg.eval_n, dec=dec, tokenizer=tok)
     finally:
+        for m in fused:
+            m.fused = True
         model.train()
         torch.set_rng_state(rng)
+    if code:
+        return {"step": step, "loss": loss, "accuracy": round(r["accuracy"], 4),
+                "accuracy_by_kind": {k: round(v, 4) for k, v in r["accuracy_by_kind"].items()},
+                **{k: round(m["mean"], 4) for k, m in r["metrics"].items()},
+                "passes_per_block_mean": round(r["passes_per_block_mean"], 3), "TPF": round(r["TPF"], 3),
+                "eval_s": round(time.perf_counter() - t0, 1)}
     return {"step": step, "loss": loss, "accuracy": round(r["accuracy"], 4),
             "accuracy_by_kind": {k: round(v, 4) for k, v in r["accuracy_by_kind"].items()},
             "passes_per_block_mean": round(r["passes_per_block_mean"], 3),
@@ -456,6 +572,15 @@ def reproduce_command(cfg: TrainConfig, total: int) -> str:
         parts += ["--noisy-context", str(cfg.noisy_context)]
     if cfg.init_from:
         parts += ["--init-from", cfg.init_from]
+    if is_code_task(cfg.task):
+        parts += ["--window", str(cfg.window)]
+        parts += ["--tokenizer", cfg.tokenizer] if cfg.tokenizer else ["--vocab-size", str(cfg.vocab_size)]
+    if cfg.fused_attention:
+        parts += ["--fused-attention"]
+    if cfg.block_warmup:
+        parts += ["--block-warmup", cfg.block_warmup]
+    if cfg.save_dtype:
+        parts += ["--save-dtype", cfg.save_dtype]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -481,6 +606,14 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
         raise ValueError(f"--family {cfg.family}: train-tiny supports llada2_moe, diffusion_gemma")
     if not cfg.out:
         raise ValueError("--out: give an output folder")
+    if is_code_task(cfg.task) and (cfg.window <= 0 or cfg.window % cfg.block_size):
+        raise ValueError(f"--window {cfg.window}: must be a positive multiple of --block-size {cfg.block_size}")
+    for c, _ in parse_block_warmup(cfg.block_warmup):
+        if cfg.family != "llada2_moe":
+            raise ValueError("--block-warmup: llada2_moe only")
+        if cfg.block_size % c:
+            raise ValueError(f"--block-warmup {cfg.block_warmup}: block size {c} does not divide --block-size "
+                             f"{cfg.block_size}")
     if not resume and cfg.steps is None and cfg.minutes is None:
         raise ValueError("give --steps or --minutes")
     if cfg.steps is not None and cfg.steps <= 0 or cfg.minutes is not None and cfg.minutes <= 0:
@@ -531,7 +664,6 @@ def _run_folder(out: str, resume: bool, overwrite: bool) -> tuple:
 def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_dir: str, staged: bool) -> dict:
     torch.set_num_threads(max(1, cfg.threads))
     state_path = os.path.join(run_dir, STATE_FILE)
-    tok = CharTokenizer()
 
     step, total, elapsed_before, history, evals = 0, cfg.steps, 0.0, [], []
     state = None
@@ -540,16 +672,22 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
             raise FileNotFoundError(f"--resume: no checkpoint {state_path}")
         state = torch.load(state_path, map_location="cpu", weights_only=False)
         stored = TrainConfig(**{**state["config"], "out": cfg.out, "progress": cfg.progress,
-                                "threads": cfg.threads})
+                                "threads": cfg.threads,
+                                "save_dtype": cfg.save_dtype or state["config"].get("save_dtype")})
         cfg = stored
         step, total = state["step"], state["total_steps"]
         elapsed_before, history = state["elapsed_s"], state["history"]
         evals = state.get("evals", [])
     task = make_task(cfg)
+    tok = make_tokenizer(cfg, run_dir, resume)
+    windows = None
+    if is_code_task(cfg.task):
+        from dblock.tasks.code_corpus import TrainWindows
+        windows = TrainWindows(tok, cfg.window)
     uniform = cfg.family == "diffusion_gemma"
     if uniform:
         from dblock.tasks.train_uniform import uniform_loss
-    model = build_model(cfg)
+    model = build_model(cfg, tok)
     opt = make_optimizer(model, cfg)
     n_moe = len(model.config.moe_layers)
     loads_acc = torch.zeros(n_moe, model.config.num_experts, dtype=torch.float64)  # EMA (0.99) of the loads
@@ -587,11 +725,13 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
             loss, info = uniform_loss(model, rows_for_step(task, tok, cfg, step), gen, taps,
                                       noisy_context=cfg.noisy_context)
         else:
-            x0, prompt = batch_for_step(task, tok, cfg, step)
+            x0, prompt = (code_batch_for_step(windows, cfg, step) if windows is not None else
+                          batch_for_step(task, tok, cfg, step))
             xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps, gen)
             warm = (draw_warm_blocks(x0.shape[0], x0.shape[1], cfg.block_size, cfg.noisy_context, gen)
                     if cfg.noisy_context > 0 else None)
-            loss, info = diffusion_loss(model, x0, xt, masked, p, prompt, taps, warm=warm)
+            loss, info = diffusion_loss(model, x0, xt, masked, p, prompt, taps, warm=warm,
+                                        block_size=block_size_at(cfg, step))
             info["L"] = int(x0.shape[1])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -653,7 +793,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
     if total is not None and step >= total:
         # DIR holds this run's checkpoint (a staging run: nothing of the old DIR is carried)
         export(model, cfg.out, tok, extra={SUMMARY_FILE: json.dumps({**summary, "history": history}, indent=1)},
-               carry_from=run_dir, overwrite=True)
+               carry_from=run_dir, overwrite=True, storage_dtype=cfg.save_dtype)
         if staged:
             shutil.rmtree(run_dir, ignore_errors=True)
         log(f"train-tiny: done, {step} steps in {elapsed / 60:.1f} min; wrote {cfg.out} "
@@ -675,8 +815,8 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def export(model, out: str, tok: CharTokenizer, extra: Optional[dict] = None, carry_from: Optional[str] = None,
-           overwrite: bool = False) -> None:
+def export(model, out: str, tok, extra: Optional[dict] = None, carry_from: Optional[str] = None,
+           overwrite: bool = False, storage_dtype: Optional[str] = None) -> None:
     """The HF folder `out`, written all or nothing (`dblock.weights.staged_folder`): config.json + model.safetensors
     (+ the files transformers reads, e.g. DiffusionGemma's generation_config.json), tokenizer.json +
     tokenizer_config.json and `extra` ({name: text}).
@@ -688,7 +828,7 @@ def export(model, out: str, tok: CharTokenizer, extra: Optional[dict] = None, ca
     from dblock.weights import staged_folder, write_model
     model.eval()
     with staged_folder(out, overwrite) as tmp:
-        write_model(model, tmp, extra_files={**hf_files(model), **(extra or {})})
+        write_model(model, tmp, extra_files={**hf_files(model), **(extra or {})}, storage_dtype=storage_dtype)
         tok.save(tmp)
         if carry_from is not None and os.path.isdir(carry_from):
             for name in sorted(os.listdir(carry_from)):

@@ -54,7 +54,7 @@ AUX_COEF = 0.01      # Switch load-balancing loss weight
 T_EPS = 1e-3         # t ~ U(T_EPS, 1 - T_EPS)
 
 
-def gemma_config(size: str = "base", block_size: int = 16, tokenizer: Optional[CharTokenizer] = None):
+def gemma_config(size: str = "base", block_size: int = 16, tokenizer=None):
     from dblock.reference.gemma_config import GemmaConfig, TINY_VISION, default_rope_parameters
     if size not in GEMMA_SIZES:
         raise ValueError(f"--size {size!r}: allowed {', '.join(GEMMA_SIZES)}")
@@ -82,9 +82,9 @@ def init_gemma_weights(model, seed: int, std: float = 0.02) -> None:
         model.vision_weights = tiny_vision_weights(model.config, g)
 
 
-def build_gemma(cfg):
+def build_gemma(cfg, tok=None):
     from dblock.reference.gemma import GemmaModel
-    model = GemmaModel(gemma_config(cfg.size, cfg.block_size))
+    model = GemmaModel(gemma_config(cfg.size, cfg.block_size, tok))
     init_gemma_weights(model, cfg.seed)
     return model
 

@@ -1,0 +1,63 @@
+"""train-tiny --task code: windows of the corpus, the fixed prompt rows, learning, resumption, the export."""
+import json
+import os
+
+import torch
+
+from dblock.tasks.code_corpus import CodeTokenizer, TrainWindows
+from dblock.tasks.train import TrainConfig, code_batch_for_step, train
+from dblock.weights import CHECKPOINTS_DIR
+
+TOKENIZER = os.path.join(CHECKPOINTS_DIR, "code-masked")
+
+
+def code_cfg(out, **kw):
+    base = dict(family="llada2_moe", out=str(out), size="code-micro", task="code", block_size=16, window=64,
+                steps=40, batch_size=8, lr=5e-3, warmup=5, log_every=10, progress=False, save_every=1000,
+                fused_attention=True, tokenizer=TOKENIZER)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_code_batch_fixes_only_the_rows_of_the_prompt_block_before_its_end():
+    cfg = code_cfg("x", batch_size=32)
+    w = TrainWindows(CodeTokenizer.load(TOKENIZER), cfg.window)
+    x0, fixed = code_batch_for_step(w, cfg, 3)
+    x1, fixed1 = code_batch_for_step(w, cfg, 3)
+    assert torch.equal(x0, x1) and torch.equal(fixed, fixed1)                # a pure function of (seed, step)
+    assert x0.shape == fixed.shape == (32, 64)
+    C = cfg.block_size
+    for row in fixed:
+        idx = row.nonzero().flatten().tolist()
+        if idx:                   # one run [block start of P, P) inside a single block, starting at its first row
+            assert idx == list(range(idx[0], idx[-1] + 1)) and idx[0] % C == 0 and idx[-1] // C == idx[0] // C
+    assert fixed.any(1).float().mean() > 0.5
+    assert not torch.equal(code_batch_for_step(w, cfg, 4)[0], x0)
+
+
+def test_a_few_steps_reduce_the_loss_and_the_export_loads_with_its_tokenizer(tmp_path):
+    import dblock
+    summary = train(code_cfg(tmp_path / "m"), log=lambda *a: None)
+    hist = json.load(open(tmp_path / "m" / "train_summary.json"))["history"]
+    assert hist[-1]["ce"] < hist[0]["ce"] - 0.5, hist          # ln(2048) = 7.6 at the start
+    assert "--task code" in summary["reproduce"] and "--tokenizer" in summary["reproduce"]
+    m = dblock.load(str(tmp_path / "m"))
+    assert m.config.vocab_size == 2048 and m.config.num_experts == 16
+    assert CodeTokenizer.load(str(tmp_path / "m")).hf.to_str() == CodeTokenizer.load(TOKENIZER).hf.to_str()
+
+
+def test_resumed_code_run_equals_the_uninterrupted_one_and_bf16_export(tmp_path):
+    import dblock
+    full = code_cfg(tmp_path / "a", steps=6, save_every=2)
+    train(full, log=lambda *a: None)
+    part = code_cfg(tmp_path / "b", steps=6, save_every=2, tokenizer=None, vocab_size=2048)
+    part.tokenizer = TOKENIZER
+    train(part, stop_after=3, log=lambda *a: None)
+    train(code_cfg(tmp_path / "b", save_dtype="bfloat16"), resume=True, log=lambda *a: None)
+    a, b = dblock.load(str(tmp_path / "a")), dblock.load(str(tmp_path / "b"))
+    assert next(b.parameters()).dtype == torch.float32            # stored bf16, computed in fp32 (config.json)
+    assert json.load(open(tmp_path / "b" / "config.json"))["torch_dtype"] == "float32"
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va.to(torch.bfloat16).float() if va.is_floating_point() and
+                                        "expert_bias" not in ka else va, vb), ka
+    assert os.path.getsize(tmp_path / "b" / "model.safetensors") < 0.6 * os.path.getsize(
+        tmp_path / "a" / "model.safetensors")
