@@ -38,8 +38,10 @@ PLAN = [
     ("tiny-uniform", "reference", None, "native", {}),
     ("tiny-uniform", "reference", None, "oba", {}),
     ("tiny-uniform", "reference", None, "flowblock", {}),
+    ("code-masked", "reference", None, "native", {}),
+    ("code-masked", "epoch", "epoch", "native", {}),
 ]
-N_PROBLEMS = {"tiny-masked": 32, "tiny-uniform": 16}
+N_PROBLEMS = {"tiny-masked": 32, "tiny-uniform": 16, "code-masked": 32}
 REPEATS = 3
 
 
@@ -109,6 +111,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
         k = n or N_PROBLEMS.get(name, 16)
         probs = task.examples("test", k)
         prompts = [tok.encode(e.prompt) for e in probs]
+        max_new = getattr(task, "max_new_tokens", 128)      # the code task: 64 (two blocks)
         fwds = {}
         jobs, specs = {}, {}
         for mname, executor, econf, schedule, extra in PLAN:
@@ -117,8 +120,8 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
             key = (executor, _label(schedule, extra))
             if executor not in fwds:
                 fwds[executor] = reference_forward(model) if executor == "reference" else epoch_forward(model, econf)
-            dec = DecodeConfig(max_new_tokens=128, rule="entropy-bound" if family == "diffusion_gemma" else "threshold",
-                               **extra)
+            dec = DecodeConfig(max_new_tokens=max_new, rule="entropy-bound" if family == "diffusion_gemma" else
+                               "threshold", **extra)
             # the baseline's pass on the same rows is timed only where the batch compositions differ (a uniform-state
             # schedule changes passes per block); elsewhere both runs batch the same requests alike and β = 1
             shadow = "strip" if schedule in ("oba", "flowblock") and family == "diffusion_gemma" else None
@@ -131,11 +134,14 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
             executor, econf, schedule, extra = specs[key]
             med = measure.median_run(rs)
             ok = [task.grade(e.prompt, answer_text(ids, tok)) for e, ids in zip(probs, rs[0]["tokens"])]
+            same = (sum(a == b for a, b in zip(rs[0]["tokens"], runs[base_key][0]["tokens"])) / k
+                    if base_key in runs else 1.0)
             ratios = measure.paired_ratios(rs, runs[base_key]) if base_key in runs else [1.0]
             mid, lo, hi = measure.noise_band(ratios)
             rows.append({"model": name, "family": family, "executor": executor + (f":{econf}" if econf else ""),
                          "schedule": _label(schedule, extra), "sim_schedule": _sim_schedule(schedule, extra),
-                         "n": k, "repeats": repeats, "accuracy": sum(ok) / len(ok), "TPF": med["Y"] / med["Q"],
+                         "n": k, "repeats": repeats, "accuracy": sum(ok) / len(ok), "identical": same,
+                         "TPF": med["Y"] / med["Q"],
                          "TPS": med["TPS"], "T_den_ms": med["T_den_ms"], "passes_per_block": med["F"] / med["K"],
                          "Y": med["Y"], "F": med["F"], "K": med["K"], "Q": med["Q"], "R": med["R"],
                          "den_s": med["den_s"], "den_base_s": med["den_base_s"],
@@ -169,7 +175,8 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
         from dblock.simulator.profiler import drift
         scale = drift(prof, model)["factor"]      # the machine's speed now against at profiling (anchors)
         b = base["_run"]
-        wl = batch.Workload.from_runs(b["prompt_lens"], 128, b["blocks"], model.config.block_size)
+        wl = batch.Workload.from_runs(b["prompt_lens"], b.get("max_new_tokens", 128), b["blocks"],
+                                      model.config.block_size)
     for x in mine:
         nbar, n = base["F"] / base["K"], x["F"] / x["K"]
         rho = (x["Y"] / x["K"]) / (base["Y"] / base["K"])
@@ -286,7 +293,7 @@ def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
     from dblock.tasks.card import task_of
     tasks = ", ".join(dict.fromkeys(task_of(b) for b in bundled))
     print(f"dblock demo: held-out {tasks} problems on the bundled models ({', '.join(bundled)})\n")
-    hdr = (f"{'model':<13} {'executor':<12} {'schedule':<16} {'acc':>5} {'TPF':>5} {'TPS':>8} {'pass/blk':>8}  "
+    hdr = (f"{'model':<13} {'executor':<12} {'schedule':<16} {'acc':>5} {'same':>5} {'TPF':>5} {'TPS':>8} {'pass/blk':>8}  "
            f"{'TPS ratio: predicted':>21}  {'measured [band]':>20}  verdict")
     print(hdr)
     print("-" * len(hdr))
@@ -295,7 +302,8 @@ def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
         lo, hi = x["measured_band"]
         pred = f"{p:.2f}" if p is not None else "-"
         agree = "" if x.get("prediction_agrees", True) else "  (prediction disagrees)"
-        print(f"{x['model']:<13} {x['executor']:<12} {x['schedule']:<16} {x['accuracy']:>5.2f} {x['TPF']:>5.2f} "
+        print(f"{x['model']:<13} {x['executor']:<12} {x['schedule']:<16} {x['accuracy']:>5.2f} {x['identical']:>5.2f} "
+              f"{x['TPF']:>5.2f} "
               f"{x['TPS']:>8.0f} {x['passes_per_block']:>8.2f}  {pred:>21}  "
               f"{x['measured_tps_ratio']:>6.2f} [{lo:.2f}..{hi:.2f}]  {x.get('verdict', '-')}{agree}")
     notes = [x for x in rows if x.get("prediction_note") and x.get("verdict") != "baseline"]
@@ -313,6 +321,9 @@ def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
                   "cannot revise a revealed token, so the waiting block decodes nothing before promotion (the One "
                   "Block Ahead paper's No Accept; docs/algorithms.md §3). α = 0, and the wider pass costs r > 1.")
             break
+    if any(task_of(b) == "code" for b in bundled):
+        print("\nacc: the task's accuracy (code: the next line exact); same: requests whose whole output equals the "
+              "reference Native row's")
     print(f"\n({seconds:.0f} s; TPS = tokens per second of denoising thread-CPU time on this machine, median of "
           f"{repeats} interleaved repeats; ratios over the reference dense Native row of the same model; band = "
           "min..max of the per-repeat ratios)")

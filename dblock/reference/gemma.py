@@ -116,6 +116,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(D, cfg.rms_norm_eps, with_scale=False)
+        # training only (`dblock.tasks.train.set_fused_attention`): the same attention through torch's fused
+        # scaled_dot_product_attention; decoding always takes the explicit path below
+        self.fused = False
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (B, L, H) -> k, v (B, G, L, D): k normed and rotated, v normed (no scale)."""
@@ -137,6 +140,9 @@ class Attention(nn.Module):
         k, v = self.project_kv(x, cos, sin)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)                    # (B, G, S, D)
         vals = v if past_v is None else torch.cat([past_v, v], dim=2)                    # (B, G, S, D)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None], scale=1.0, enable_gqa=True)
+            return self.o_proj(y.transpose(1, 2).reshape(B, L, self.n_head * self.head_dim)), k, v
         rep = self.n_head // self.n_kv
         keys = keys.repeat_interleave(rep, dim=1)                                        # (B, N, S, D)
         vals = vals.repeat_interleave(rep, dim=1)                                        # (B, N, S, D)

@@ -202,7 +202,7 @@ def decode_run(fwd: Forward, prompts: Sequence, dec, schedule: str = "native", b
                den_base_s=tf.den_base_s if tf.shadow_mode else None, den_calls=tf.den_calls,
                requests_per_call=[c.requests for c, _ in tf.calls if c.kind == "denoise"],
                app_s=tf.app_s, app_calls=tf.app_calls, wall_s=wall, calls=tf.calls,
-               prompt_lens=[c.prompt_len for c in res.counters],
+               prompt_lens=[c.prompt_len for c in res.counters], max_new_tokens=dec.max_new_tokens,
                blocks=[[vars(b) for b in c.blocks] for c in res.counters], tokens=res.tokens)
     out["TPS"] = out["Y"] / out["den_s"] if out["den_s"] else float("nan")
     out["T_den_ms"] = 1e3 * out["den_s"] / out["den_calls"] if out["den_calls"] else float("nan")

@@ -32,6 +32,11 @@ from dblock.simulator import batch, measure
 from dblock.simulator.profile import QUANTILES, Profile, ProfiledCost
 
 
+def task_max_new(plan, task) -> int:
+    """The generation length of a plan's runs: its own, else the task's (the code task: 64), else 128."""
+    return plan.max_new_tokens or getattr(task, "max_new_tokens", None) or 128
+
+
 def plan_task(plan, model: str) -> str:
     """The task a plan's prompts come from: its own, else the model's card task."""
     from dblock.tasks.card import task_of
@@ -45,7 +50,7 @@ class Plan:
     model: str = "tiny-masked"
     task: str = ""                    # "" = the model's card task
     n: int = 32                       # problems per run
-    max_new_tokens: int = 128
+    max_new_tokens: Optional[int] = None   # None: the task's own length (code: 64), else 128
     repeats: int = 3
     batches: tuple = (1, 8, 32)
     ratio_batch: int = 8
@@ -174,10 +179,12 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
             from dblock.optimized.executor import epoch_forward
             return epoch_forward(m, "epoch")
     tok = TokenizerAdapter.from_folder(m.source)
-    prompts = [tok.encode(e.prompt) for e in get_task(plan_task(plan, plan.model)).examples("test", plan.n)]
+    task = get_task(plan_task(plan, plan.model))
+    prompts = [tok.encode(e.prompt) for e in task.examples("test", plan.n)]
     C = m.config.block_size
-    dec = DecodeConfig(max_new_tokens=plan.max_new_tokens, seed=plan.seed)
-    dec_nc = DecodeConfig(max_new_tokens=plan.max_new_tokens, seed=plan.seed, no_cache=True)
+    max_new = task_max_new(plan, task)
+    dec = DecodeConfig(max_new_tokens=max_new, seed=plan.seed)
+    dec_nc = DecodeConfig(max_new_tokens=max_new, seed=plan.seed, no_cache=True)
     fw = {"reference": forward("reference")}
     if plan.epoch:
         fw["epoch"] = forward("epoch")
@@ -185,7 +192,7 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
     # ---- inputs: the counters of one Native run (its times are not used) ---------------------------------
     say("calibration run (counters only)")
     nat = measure.decode_run(fw["reference"], prompts, dec, "native", batch_size=plan.ratio_batch, timer=timer)
-    wl = batch.Workload.from_runs(nat["prompt_lens"], plan.max_new_tokens, nat["blocks"], C)
+    wl = batch.Workload.from_runs(nat["prompt_lens"], max_new, nat["blocks"], C)
     drifts: list = []
 
     def sample_drift():
@@ -306,9 +313,9 @@ def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]]
     say = progress or (lambda s: None)
     m = model if model is not None else dblock.load(plan.alpha_model)
     tok = TokenizerAdapter.from_folder(m.source)
-    prompts = [tok.encode(e.prompt) for e in get_task(plan_task(plan, plan.alpha_model)).examples("test",
-                                                                                               plan.alpha_n)]
-    dec = DecodeConfig(max_new_tokens=plan.max_new_tokens,
+    task = get_task(plan_task(plan, plan.alpha_model))
+    prompts = [tok.encode(e.prompt) for e in task.examples("test", plan.alpha_n)]
+    dec = DecodeConfig(max_new_tokens=task_max_new(plan, task),
                        rule="entropy-bound" if m.config.family == "diffusion_gemma" else "threshold")
     fwd = reference_forward(m)
     runs, rows_of = {}, {}

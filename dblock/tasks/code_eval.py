@@ -10,6 +10,8 @@ training objective on the held-out references, per token:
                 p = t_d; the loss is sum over masked reference tokens of CE / p, divided by the number of reference
                 tokens, averaged over the draws. Prompt rows stay clean (as at decoding time); one forward over
                 [x_t ; x_0] with the BD3 mask of `dblock.tasks.train.bd3_mask` per draw.
+    diffusion_gemma  the canvas cross-entropy of its training objective (uniform replacement noise, two-pass
+                self-conditioning), averaged over the draws (`dblock.tasks.train_uniform.heldout_loss`).
 
 Deterministic: the noise comes from a generator seeded with `seed`. The loss does not depend on the decoder (it is
 the same for both executors); it tells two checkpoints apart.
@@ -42,8 +44,11 @@ def heldout_loss(model, examples: list, tok, draws: int = LOSS_DRAWS, seed: int 
     docstring)."""
     from dblock.tasks.train import bd3_mask
     cfg = model.config
+    if cfg.family == "diffusion_gemma":
+        from dblock.tasks import train_uniform
+        return train_uniform.heldout_loss(model, examples, tok, draws=draws, seed=seed, gen_tokens=GEN_TOKENS)
     if cfg.family != "llada2_moe":
-        raise ValueError(f"heldout_loss: family {cfg.family} (llada2_moe only)")
+        raise ValueError(f"heldout_loss: family {cfg.family} (llada2_moe, diffusion_gemma)")
     C, mask_id, pad = cfg.block_size, cfg.mask_token_id, cfg.eos_token_id
     rows = []
     for e in examples:

@@ -686,7 +686,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
         windows = TrainWindows(tok, cfg.window)
     uniform = cfg.family == "diffusion_gemma"
     if uniform:
-        from dblock.tasks.train_uniform import uniform_loss
+        from dblock.tasks.train_uniform import code_rows_for_step, uniform_loss
     model = build_model(cfg, tok)
     opt = make_optimizer(model, cfg)
     n_moe = len(model.config.moe_layers)
@@ -722,8 +722,9 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
             g["lr"] = lr
         taps = {}
         if uniform:
-            loss, info = uniform_loss(model, rows_for_step(task, tok, cfg, step), gen, taps,
-                                      noisy_context=cfg.noisy_context)
+            rows = (code_rows_for_step(windows, cfg, step) if windows is not None else
+                    rows_for_step(task, tok, cfg, step))
+            loss, info = uniform_loss(model, rows, gen, taps, noisy_context=cfg.noisy_context)
         else:
             x0, prompt = (code_batch_for_step(windows, cfg, step) if windows is not None else
                           batch_for_step(task, tok, cfg, step))

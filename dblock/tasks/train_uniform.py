@@ -48,6 +48,17 @@ GEMMA_SIZES = {
                   global_head_dim=16, num_global_key_value_heads=1, intermediate_size=64, moe_intermediate_size=16,
                   num_experts=8, top_k_experts=2, sliding_window=8,
                   layer_types=["sliding_attention", "full_attention"]),
+    # the bundled code-uniform model: DiffusionGemma's routed MoE in every layer (64 experts top-8) beside the
+    # parallel dense MLP, sliding (window 128) and full attention layers, the 2048-token code vocabulary
+    "code": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 global_head_dim=64, num_global_key_value_heads=1, intermediate_size=256, moe_intermediate_size=64,
+                 num_experts=64, top_k_experts=8, sliding_window=128,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                              "full_attention"]),
+    "code-micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, global_head_dim=16, num_global_key_value_heads=1, intermediate_size=64,
+                       moe_intermediate_size=8, num_experts=16, top_k_experts=4, sliding_window=32,
+                       layer_types=["sliding_attention", "full_attention"]),
 }
 SC_PROB = 0.5        # self-conditioning: probability that an example's pass 2 gets pass 1's logits
 AUX_COEF = 0.01      # Switch load-balancing loss weight
@@ -92,6 +103,49 @@ def build_gemma(cfg, tok=None):
 # ---------------------------------------------------------------------------------------------------------------
 # data and masks
 # ---------------------------------------------------------------------------------------------------------------
+
+def code_rows_for_step(windows, cfg, step: int) -> list:
+    """The examples of step `step` on the code task: [(ids, prompt length P)], each a training window
+    (`dblock.tasks.code_corpus.TrainWindows`) with P uniform in [1, L/2], cut to P plus a whole number of canvases
+    (so that no canvas is padded with an <eos> the file does not have). A pure function of (seed, step)."""
+    import numpy as np
+
+    from dblock.tasks.train import _step_seed
+    B, L, C = cfg.batch_size, cfg.window, cfg.block_size
+    rng = np.random.default_rng(_step_seed(cfg.seed, step, 3))
+    rows = []
+    for _ in range(B):
+        w = windows.window(rng)
+        P = int(rng.integers(1, L // 2 + 1))
+        rows.append((w[:P + (L - P) // C * C], P))
+    return rows
+
+
+@torch.no_grad()
+def heldout_loss(model, examples: list, tok, draws: int = 4, seed: int = 0, gen_tokens: int = 64) -> list:
+    """Per-example held-out loss per token of a diffusion_gemma model on the examples' references: the mean over
+    `draws` noise draws of `uniform_loss`'s canvas cross-entropy (uniform replacement noise at a random level, the
+    two-pass self-conditioning; its training objective without the AR and balance terms) on [prompt ; the first
+    `gen_tokens` reference tokens]. Deterministic in `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    was = model.training
+    model.eval()
+    try:
+        for e in examples:
+            p = tok.encode(e.prompt)
+            r = tok.encode(e.answer)[:gen_tokens]
+            C = model.config.canvas_length
+            r = r[:len(r) // C * C] or r
+            tot = 0.0
+            for _ in range(draws):
+                _, info = uniform_loss(model, [(p + r, len(p))], gen, {})
+                tot += info["ce"]
+            out.append(tot / draws)
+    finally:
+        model.train(was)
+    return out
+
 
 def uniform_rows(rows: list, C: int, eos_id: int, pad_id: int):
     """[(ids of prompt + answer + <eos>, prompt length)] -> the batch tensors of the after-prompt layout.

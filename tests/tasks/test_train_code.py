@@ -61,3 +61,52 @@ def test_resumed_code_run_equals_the_uninterrupted_one_and_bf16_export(tmp_path)
                                         "expert_bias" not in ka else va, vb), ka
     assert os.path.getsize(tmp_path / "b" / "model.safetensors") < 0.6 * os.path.getsize(
         tmp_path / "a" / "model.safetensors")
+
+
+def test_fused_attention_is_the_same_function_for_both_families():
+    """--fused-attention computes the training loss through torch's scaled_dot_product_attention: the same value
+    (within fp32 rounding) as the reference modules' explicit softmax attention, for both families' masks."""
+    from dblock.tasks.train import add_noise, build_model, diffusion_loss, set_fused_attention
+    from dblock.tasks.train_uniform import code_rows_for_step, uniform_loss
+    tok = CodeTokenizer.load(TOKENIZER)
+    w = TrainWindows(tok, 64)
+    for family in ("llada2_moe", "diffusion_gemma"):
+        cfg = code_cfg("x", family=family, batch_size=4, fused_attention=False)
+        m = build_model(cfg, tok)
+        losses = []
+        for fused in (False, True):
+            set_fused_attention(m, fused)
+            g = torch.Generator().manual_seed(1)
+            if family == "llada2_moe":
+                x0, fixed = code_batch_for_step(w, cfg, 0)
+                xt, masked, p = add_noise(x0, fixed, m.config.mask_token_id, 1e-3, g)
+                losses.append(float(diffusion_loss(m, x0, xt, masked, p, fixed, {})[0]))
+            else:
+                losses.append(float(uniform_loss(m, code_rows_for_step(w, cfg, 0), g, {})[0]))
+        assert abs(losses[0] - losses[1]) < 1e-4 * abs(losses[0]), (family, losses)
+
+
+def test_uniform_code_rows_end_on_a_canvas_boundary():
+    from dblock.tasks.train_uniform import code_rows_for_step
+    cfg = code_cfg("x", family="diffusion_gemma", batch_size=16)
+    w = TrainWindows(CodeTokenizer.load(TOKENIZER), cfg.window)
+    rows = code_rows_for_step(w, cfg, 2)
+    assert rows == code_rows_for_step(w, cfg, 2)
+    for ids, P in rows:
+        assert 1 <= P <= cfg.window // 2 and (len(ids) - P) % cfg.block_size == 0 and len(ids) - P >= cfg.block_size
+
+
+def test_block_warmup_schedule_and_its_refusals(tmp_path):
+    import pytest
+
+    from dblock.tasks.train import block_size_at, bd3_mask
+    cfg = code_cfg("x", block_warmup="1:3,4:2")
+    assert [block_size_at(cfg, s) for s in range(7)] == [1, 1, 1, 4, 4, 16, 16]
+    # block 1 is next-token prediction: a noisy row sees the clean rows before it and itself only
+    L = 4
+    m = bd3_mask(L, 1)
+    assert m[:L, L:].tolist() == [[k < q for k in range(L)] for q in range(L)]
+    for bad, msg in (("1:0", "steps >= 1"), ("3:10", "does not divide"), ("x", "BLOCK:STEPS")):
+        with pytest.raises(ValueError, match=msg):
+            train(code_cfg(tmp_path / "w", block_warmup=bad), log=lambda *a: None)
+    assert not (tmp_path / "w").exists()
