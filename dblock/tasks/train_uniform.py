@@ -48,11 +48,11 @@ GEMMA_SIZES = {
                   global_head_dim=16, num_global_key_value_heads=1, intermediate_size=64, moe_intermediate_size=16,
                   num_experts=8, top_k_experts=2, sliding_window=8,
                   layer_types=["sliding_attention", "full_attention"]),
-    # the bundled code-uniform model: DiffusionGemma's routed MoE in every layer (64 experts top-8) beside the
+    # the bundled code-uniform model: DiffusionGemma's routed MoE in every layer (32 experts top-4) beside the
     # parallel dense MLP, sliding (window 128) and full attention layers, the 2048-token code vocabulary
     "code": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                 global_head_dim=64, num_global_key_value_heads=1, intermediate_size=256, moe_intermediate_size=64,
-                 num_experts=64, top_k_experts=8, sliding_window=128,
+                 global_head_dim=64, num_global_key_value_heads=1, intermediate_size=256, moe_intermediate_size=96,
+                 num_experts=32, top_k_experts=4, sliding_window=128,
                  layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
                               "full_attention"]),
     "code-micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
