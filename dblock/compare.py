@@ -72,7 +72,16 @@ def run_schedule(fwd, prompts, dec, name: str, seeds, batch_size: Optional[int] 
            "den_base_cpu_s": timed.den_base_s if timed else None,
            "per_request": {k: [getattr(c, k) for c in res.counters] for k in ("Y", "Q", "F", "K")}}
     if grader is not None:
-        ok = [grader(r.prompt, toks) for r, toks in zip(reqs, res.tokens)]
+        graded = [grader(r.prompt, toks) for r, toks in zip(reqs, res.tokens)]
+        if graded and isinstance(graded[0], dict):      # the code task: {"correct", "token_accuracy"} per request
+            from dblock.tasks.code import bootstrap_ci
+            ok = [bool(g["correct"]) for g in graded]
+            ta = [float(g["token_accuracy"]) for g in graded]
+            row.update(token_accuracy=sum(ta) / len(ta), token_accuracy_ci=bootstrap_ci(ta),
+                       accuracy_ci=bootstrap_ci([float(x) for x in ok]),
+                       per_request_quality={"correct": ok, "token_accuracy": ta})
+        else:
+            ok = graded
         row["accuracy"] = sum(ok) / len(ok)
     return row
 
@@ -126,6 +135,12 @@ def derive(rows: list, n_boot: int = 1000) -> list:
             r["TPS_ratio_identity"] = tps_ratio_identity(nbar / (r["F"] / r["K"]), rho, r["r"], r["beta"])
         if r is not base and n_boot:
             r.update(paired_bootstrap(r, base, n_boot, alpha_fit=r["schedule"] != "native2c"))
+            qa, qb = r.get("per_request_quality"), base.get("per_request_quality")
+            if qa and qb and len(qa["token_accuracy"]) == len(qb["token_accuracy"]):
+                from dblock.tasks.code import paired_bootstrap_ci
+                r["token_accuracy_delta_ci"] = paired_bootstrap_ci(qa["token_accuracy"], qb["token_accuracy"])
+                r["accuracy_delta_ci"] = paired_bootstrap_ci([float(x) for x in qa["correct"]],
+                                                             [float(x) for x in qb["correct"]])
         if r["schedule"] == "native2c":   # a wider block: alpha (passes saved per warm-up step) does not apply
             r["verdict"] = "pays" if r["TPS_ratio"] and r["TPS_ratio"] > 1 else "does not pay"
             continue
@@ -179,10 +194,11 @@ def compare_schedules(fwd, prompts: Sequence, dec: DecodeConfig, schedules: Sequ
 COLUMNS = [("schedule", "{:<12}"), ("TPF", "{:>6.2f}"), ("TPF_ratio_ci", "{:>13}"), ("TPS", "{:>8.1f}"), ("T_den_ms", "{:>8.2f}"),
            ("r", "{:>5.2f}"), ("beta", "{:>5.2f}"), ("n", "{:>6.2f}"), ("alpha_naive", "{:>6.2f}"), ("alpha", "{:>6.2f}"),
            ("alpha_ci", "{:>13}"), ("margin", "{:>7.2f}"), ("verdict", "{:>13}"), ("first_pass_accepted", "{:>6.2f}"),
-           ("accuracy", "{:>6.3f}")]
+           ("accuracy", "{:>6.3f}"), ("token_accuracy", "{:>6.3f}"), ("token_accuracy_delta_ci", "{:>13}")]
 HEADERS = {"schedule": "schedule", "TPF": "TPF", "TPF_ratio_ci": "TPF× 95% CI", "alpha_ci": "α 95% CI", "TPS": "TPS", "T_den_ms": "T_den ms", "r": "r", "beta": "β", "n": "n/blk",
            "alpha_naive": "ᾱ", "alpha": "α", "margin": "α-(r-1)", "verdict": "verdict",
-           "first_pass_accepted": "1st-acc", "accuracy": "acc"}
+           "first_pass_accepted": "1st-acc", "accuracy": "acc", "token_accuracy": "tok-acc",
+           "token_accuracy_delta_ci": "Δtok 95% CI"}
 
 
 def format_table(rows: list) -> str:

@@ -55,8 +55,17 @@ def _prompts(args, folder, cfg):
         prompts = [adapter.encode(e.prompt) for e in exs]
         by_ids = {tuple(p): e.prompt for p, e in zip(prompts, exs)}
 
+        by_prompt = {e.prompt: e for e in exs}
+
         def grader(ids, out):
-            return task.grade(by_ids[tuple(ids)], answer_text(out, adapter))
+            text = answer_text(out, adapter)
+            if getattr(task, "style", None) != "code":
+                return task.grade(by_ids[tuple(ids)], text)
+            e = by_prompt[by_ids[tuple(ids)]]           # the code task: next line and token accuracy
+            cut = [int(t) for t in out]
+            cut = cut[:cut.index(adapter.eos_id)] if adapter.eos_id in cut else cut
+            sc = task.score(e, text, cut, adapter.encode(e.answer))
+            return {"correct": sc["next_line_exact"], "token_accuracy": sc["token_accuracy"]}
         return [(f"--task {args.task} (test problem {i})", p) for i, p in enumerate(prompts)], grader
     path = args.prompts
     if os.path.isdir(path):
