@@ -366,7 +366,7 @@ assistant.
 
 {_code_eval_lines(e)}
 
-{_schedules_text(card)}{_atlas_text(card)}`card.json` holds these numbers; `tests/tasks/test_model_cards.py` re-runs the evaluation commands and checks them.
+{_schedules_text(card)}{_schedules_table(card)}{_atlas_text(card)}`card.json` holds these numbers; `tests/tasks/test_model_cards.py` re-runs the evaluation commands and checks them.
 """
 
 
@@ -394,7 +394,50 @@ def run_command(cmd: str) -> dict:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         args._run(args)
-    return json.loads(buf.getvalue().strip().splitlines()[-1])
+    out = buf.getvalue().strip()
+    try:
+        return json.loads(out)
+    except json.JSONDecodeError:       # progress lines before a one-line JSON object
+        return json.loads(out.splitlines()[-1])
+
+
+SCHEDULE_KEYS = ("schedule", "TPF", "TPF_ratio", "TPF_ratio_ci", "TPS_ratio", "r", "beta", "n", "alpha", "alpha_ci",
+                 "margin", "verdict", "accuracy", "accuracy_ci", "accuracy_delta_ci", "token_accuracy",
+                 "token_accuracy_ci", "token_accuracy_delta_ci", "R")
+
+
+def schedules_summary(rows: list, command: str) -> dict:
+    """The card's schedule table from `dblock compare-schedules --json` rows."""
+    return {"command": command, "rows": [{k: r.get(k) for k in SCHEDULE_KEYS} for r in rows]}
+
+
+def _schedules_table(card: dict) -> str:
+    sc = card.get("schedules")
+    if not sc:
+        return ""
+
+    def f(v, fmt="{:.2f}"):
+        if v is None:
+            return "-"
+        if isinstance(v, (list, tuple)):
+            return f"{fmt.format(v[0])}..{fmt.format(v[1])}"
+        return fmt.format(v)
+    lines = ["| schedule | TPF | TPF vs Native (95% CI) | r | α (95% CI) | α − (r − 1) | next line exact | token accuracy "
+             "| Δ token accuracy vs Native (95% CI) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sc["rows"]:
+        lines.append(f"| {r['schedule']} | {f(r['TPF'])} | {f(r['TPF_ratio'])} ({f(r['TPF_ratio_ci'])}) | {f(r['r'])} "
+                     f"| {f(r['alpha'])} ({f(r['alpha_ci'])}) | {f(r['margin'])} | {f(r['accuracy'], '{:.3f}')} "
+                     f"| {f(r['token_accuracy'], '{:.3f}')} | {f(r['token_accuracy_delta_ci'], '{:+.3f}')} |")
+    return f"""## Schedules (compare-schedules: the same problems and seeds for every schedule)
+
+    {sc['command']}
+
+{chr(10).join(lines)}
+
+α: passes saved per warm-up step, fitted by Eq. 6 of docs/algorithms.md §6.1 on the counters, with a paired
+bootstrap CI over requests; r: a schedule's pass over Native's on the same rows on this CPU (thread time).
+
+"""
 
 
 def atlas_summary(rep: dict, command: str) -> dict:
@@ -426,7 +469,8 @@ def write_card(folder: str, card: dict) -> None:
 
 
 def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: Callable[[str], dict],
-              name: Optional[str] = None, also_schedules=(), notes=()) -> dict:
+              name: Optional[str] = None, also_schedules=(), notes=(), schedules_n: int = 0,
+              schedules_batch: int = 16) -> dict:
     """Evaluate `model` with `run_eval("dblock eval ...")` (the CLI's in-process runner) and write its card and
     loss_curve.png. `summary_paths`: one train_summary.json, or one per stage of the recipe in order."""
     from dblock.tasks import base_task
@@ -466,6 +510,10 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
     sub = run_eval(f"dblock eval --model {folder} --task {task} --n {SUBSET_N}")
     card["subset"] = {"command": f"dblock eval --model {name} --task {task} --n {SUBSET_N}", "n": SUBSET_N,
                       "accuracy": sub["accuracy"], "correct": [bool(q["correct"]) for q in sub["requests"]]}
+    if schedules_n:
+        cmd = (f"dblock compare-schedules --model {{}} --task {task} --n {schedules_n} --batch-size "
+               f"{schedules_batch}")
+        card["schedules"] = schedules_summary(run_command(cmd.format(folder)), cmd.format(name))
     if base_task(task) == "code" and last["family"] == "llada2_moe":
         cmd = f"dblock verify --model {{}} --task {task} --n {SUBSET_N} --no-probe"
         card["atlas"] = atlas_summary(run_command(cmd.format(folder)), cmd.format(name))

@@ -187,6 +187,11 @@ def add_parser(subparsers):
                    help="a paragraph for the card's Training section (e.g. how a stage deviates from its command)")
     c.add_argument("--also-schedule", action="append", default=[], metavar="SCHEDULE",
                    help="evaluate once more under this schedule (e.g. oba) and record it beside the default one")
+    c.add_argument("--schedules-n", type=int_arg(0, MAX_PROBLEMS), default=0, metavar="N",
+                   help="also run `dblock compare-schedules` (every schedule) on N problems and record its table "
+                        "(default 0: no)")
+    c.add_argument("--schedules-batch", type=int_arg(1, 4096), default=16,
+                   help="the compare-schedules batch size (default 16)")
     c.set_defaults(_run=_card)
 
 
@@ -252,7 +257,8 @@ def _card(args) -> int:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--train-summary {path}: no such file")
     card = make_card(args.model, args.train_summary, args.task, args.n, run_eval_command, args.name,
-                     also_schedules=args.also_schedule, notes=args.note)
+                     also_schedules=args.also_schedule, notes=args.note, schedules_n=args.schedules_n,
+                     schedules_batch=args.schedules_batch)
     print(f"model-card: {card['name']}: accuracy {card['eval']['accuracy']:.3f} on {card['task']} "
           f"(n={args.n}); wrote MODEL_CARD.md and card.json")
     return 0
