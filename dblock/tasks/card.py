@@ -381,20 +381,21 @@ def _weak_note(e: dict) -> str:
 
 
 def run_command(cmd: str) -> dict:
-    """Run a `dblock ...` command line with --json in-process (what the shell would run) and return its JSON."""
-    import contextlib
-    import io
+    """Run a `dblock ...` command line with --json in a fresh interpreter (exactly what the shell would run, one
+    torch thread) and return its JSON; a failure is a RuntimeError with the command's last error line."""
     import shlex
+    import subprocess
+    import sys
 
-    from dblock.cli import build_parser
     argv = shlex.split(cmd)
     if argv[0] != "dblock":
         raise ValueError(f"{cmd!r}: not a dblock command")
-    args = build_parser().parse_args(argv[1:] + ["--json"])
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        args._run(args)
-    out = buf.getvalue().strip()
+    p = subprocess.run([sys.executable, "-m", "dblock", "--threads", "1"] + argv[1:] + ["--json"],
+                       capture_output=True, text=True)
+    if p.returncode not in (0, 1):      # verify exits 1 when a check fails: its report still comes back
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{cmd}: exit {p.returncode}: {last}")
+    out = p.stdout.strip()
     try:
         return json.loads(out)
     except json.JSONDecodeError:       # progress lines before a one-line JSON object

@@ -42,7 +42,7 @@ def summarize(records: list) -> dict:
 def heldout_loss(model, examples: list, tok, draws: int = LOSS_DRAWS, seed: int = 0, batch: int = 16) -> list:
     """Per-example held-out loss per token (nats) of a llada2_moe model on the examples' references (see the module
     docstring)."""
-    from dblock.tasks.train import bd3_mask
+    from dblock.tasks.bd3 import bd3_mask
     cfg = model.config
     if cfg.family == "diffusion_gemma":
         from dblock.tasks import train_uniform

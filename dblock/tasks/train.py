@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from dblock.config import ModelConfig
 from dblock.tasks import CharTokenizer, get_task
+from dblock.tasks.bd3 import bd3_mask
 
 STATE_FILE = "train_state.pt"
 SUMMARY_FILE = "train_summary.json"
@@ -227,29 +228,6 @@ def is_code_task(name: str) -> bool:
 # the BD3-LM training mask and the data
 # ---------------------------------------------------------------------------------------------------------------
 
-def bd3_mask(L: int, C: int) -> torch.Tensor:
-    """(2L, 2L) bool attention mask over [x_t ; x_0] (rows = queries, cols = keys), blocks of C on positions 0..L-1.
-
-    allowed(q, k) = (same half and same block)
-                  | (q noisy, k clean, block(k) <  block(q))
-                  | (q clean, k clean, block(k) <= block(q))
-    Worked example, L = 4, C = 2 (n = noisy, c = clean; blocks n0 n0 n1 n1 | c0 c0 c1 c1):
-        n0: 1 1 0 0 | 0 0 0 0      n1: 0 0 1 1 | 1 1 0 0
-        c0: 0 0 0 0 | 1 1 0 0      c1: 0 0 0 0 | 1 1 1 1
-    """
-    if L % C:
-        raise ValueError(f"sequence length {L} is not a multiple of the block size {C}")
-    idx = torch.arange(2 * L)
-    half = idx // L                                   # 0 noisy, 1 clean
-    blk = (idx % L) // C
-    hq, hk = half[:, None], half[None, :]
-    bq, bk = blk[:, None], blk[None, :]
-    same = (hq == hk) & (bq == bk)
-    noisy_to_clean = (hq == 0) & (hk == 1) & (bk < bq)
-    clean_to_clean = (hq == 1) & (hk == 1) & (bk <= bq)
-    return same | noisy_to_clean | clean_to_clean
-
-
 def noisy_context_mask(L: int, C: int, warm: torch.Tensor) -> torch.Tensor:
     """(B, 2L, 2L) BD3 masks where, in example b, the noisy block `warm[b]` (>= 1; -1: none) gets One Block Ahead's
     warm-up view: it sees the NOISY block warm[b] - 1 (its x_t rows, which see only the clean blocks before them, as
@@ -399,6 +377,22 @@ def block_size_at(cfg: TrainConfig, step: int) -> int:
         if step < at:
             return c
     return cfg.block_size
+
+
+def code_rows_for_step(windows, cfg, step: int) -> list:
+    """The examples of step `step` on the code task: [(ids, prompt length P)], each a training window
+    (`dblock.tasks.code_corpus.TrainWindows`) with P uniform in [1, L/2], cut to P plus a whole number of canvases
+    (so that no canvas is padded with an <eos> the file does not have). A pure function of (seed, step)."""
+    import numpy as np
+
+    B, L, C = cfg.batch_size, cfg.window, cfg.block_size
+    rng = np.random.default_rng(_step_seed(cfg.seed, step, 3))
+    rows = []
+    for _ in range(B):
+        w = windows.window(rng)
+        P = int(rng.integers(1, L // 2 + 1))
+        rows.append((w[:P + (L - P) // C * C], P))
+    return rows
 
 
 def add_noise(x0: torch.Tensor, prompt: torch.Tensor, mask_id: int, eps: float, gen: torch.Generator):
@@ -686,7 +680,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
         windows = TrainWindows(tok, cfg.window)
     uniform = cfg.family == "diffusion_gemma"
     if uniform:
-        from dblock.tasks.train_uniform import code_rows_for_step, uniform_loss
+        from dblock.tasks.train_uniform import uniform_loss
     model = build_model(cfg, tok)
     opt = make_optimizer(model, cfg)
     n_moe = len(model.config.moe_layers)

@@ -104,23 +104,6 @@ def build_gemma(cfg, tok=None):
 # data and masks
 # ---------------------------------------------------------------------------------------------------------------
 
-def code_rows_for_step(windows, cfg, step: int) -> list:
-    """The examples of step `step` on the code task: [(ids, prompt length P)], each a training window
-    (`dblock.tasks.code_corpus.TrainWindows`) with P uniform in [1, L/2], cut to P plus a whole number of canvases
-    (so that no canvas is padded with an <eos> the file does not have). A pure function of (seed, step)."""
-    import numpy as np
-
-    from dblock.tasks.train import _step_seed
-    B, L, C = cfg.batch_size, cfg.window, cfg.block_size
-    rng = np.random.default_rng(_step_seed(cfg.seed, step, 3))
-    rows = []
-    for _ in range(B):
-        w = windows.window(rng)
-        P = int(rng.integers(1, L // 2 + 1))
-        rows.append((w[:P + (L - P) // C * C], P))
-    return rows
-
-
 @torch.no_grad()
 def heldout_loss(model, examples: list, tok, draws: int = 4, seed: int = 0, gen_tokens: int = 64) -> list:
     """Per-example held-out loss per token of a diffusion_gemma model on the examples' references: the mean over

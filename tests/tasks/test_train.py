@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dblock.tasks import CharTokenizer, get_task
-from dblock.tasks.train import (TrainConfig, add_noise, batch_for_step, bd3_mask, build_model, expert_loads,
+from dblock.tasks.bd3 import bd3_mask
+from dblock.tasks.train import (TrainConfig, add_noise, batch_for_step, build_model, expert_loads,
                                 llada2_config, lr_at, train, update_expert_bias)
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dblock.tasks import CharTokenizer, get_task, solve
-from dblock.tasks.train import (TrainConfig, add_noise, batch_for_step, bd3_mask, build_model, diffusion_loss,
+from dblock.tasks.bd3 import bd3_mask
+from dblock.tasks.train import (TrainConfig, add_noise, batch_for_step, build_model, diffusion_loss,
                                 draw_warm_blocks, make_task, noisy_context_mask, reproduce_command, rows_for_step,
                                 init_from_model, task_for_step, train)
 from dblock.errors import ConfigError
