@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     except SystemExit as e:              # --help (0) or a usage error, already printed as one line (2)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if not args.command:
-        ap.print_help()
+        ap.print_help(sys.stderr)
+        print("dblock: error: give a command (the list above; `dblock COMMAND --help` for one)", file=sys.stderr)
         return 2
     prepare_triton(args)                 # --use-triton without CUDA: interpreter mode, before triton is imported
     import torch

@@ -436,6 +436,11 @@ def decode_config(args, family: str, tokenizer=None):
     if threshold_steps is not None and rule != "threshold":
         raise ConfigError(f"--threshold-steps {threshold_steps}: the threshold rule's LLaDA2.0 quota; the rule here is "
                           f"{rule}")
+    if not gemma and temp is None and st is None:       # (an explicit --temperature 0 keeps greedy on purpose)
+        for flag, v, neutral in (("--top-p", top_p, 1.0), ("--top-k", top_k, 0)):
+            if v is not None and v != neutral:
+                raise ConfigError(f"{flag} {v}: filters the sampler, and without --temperature decoding is greedy "
+                                  "(argmax), so it would do nothing: give --temperature T > 0 too")
     min_tokens = getattr(args, "min_tokens", 0) or 0
     if min_tokens > args.max_new_tokens:
         raise ConfigError(f"--min-tokens {min_tokens}: at most --max-new-tokens {args.max_new_tokens}")

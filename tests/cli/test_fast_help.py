@@ -129,3 +129,9 @@ def test_dblock_debug_reraises(monkeypatch):
     monkeypatch.setenv("DBLOCK_DEBUG", "1")
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(["make-tiny", "--family", "llada2_moe", "--out", "x"])
+
+
+def test_no_command_prints_help_and_one_error_line_exit_2():
+    res = subprocess.run([sys.executable, "-m", "dblock"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == "" and "usage: dblock" in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("dblock: error: give a command")

@@ -33,6 +33,13 @@ def test_default_is_greedy_and_unchanged_by_explicit_greedy_flags(capsys):
     assert gen(capsys, "--sampling-temperature", "0", "--seed", "7")["tokens"] == a["tokens"]
 
 
+def test_a_sampler_filter_without_a_temperature_is_refused(capsys):
+    """Without --temperature decoding is greedy: --top-p / --top-k alone would silently do nothing."""
+    for flag, v in (("--top-p", "0.5"), ("--top-k", "3")):
+        rc, out, err = run(capsys, "generate", "--model", "tiny-masked", "--prompt", PROMPT, flag, v)
+        assert rc == 2 and out == "" and f"{flag} {v}" in err and "--temperature" in err and len(err.splitlines()) == 1
+
+
 def test_temperature_with_a_seed_differs_from_greedy_and_repeats(capsys):
     greedy = gen(capsys, prompt=UNSURE)["tokens"]
     a = gen(capsys, "--temperature", "0.8", "--seed", "1", prompt=UNSURE)
