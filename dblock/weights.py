@@ -65,6 +65,32 @@ def bundled_models() -> list:
 _HF_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?$")
 
 
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")
+
+
+def check_hf_id(repo: str, revision: Optional[str], given: str) -> None:
+    """Refuse an id or revision that is not a valid Hugging Face one, before any cache path is formed from it: the id
+    with `huggingface_hub`'s own validator; the revision as a git ref or commit (letters, digits, `._/-`, no `..`,
+    no empty path part, no `.lock` end) -- so `org/name@../../x` cannot walk out of the cache's `refs/`."""
+    try:
+        from huggingface_hub.utils import validate_repo_id
+    except ImportError:               # the regex of `_HF_ID` already bounds the characters
+        validate_repo_id = None
+    if validate_repo_id is not None:
+        try:
+            validate_repo_id(repo)
+        except Exception as e:       # HFValidationError
+            raise WeightsError(f"{given}: {repo!r} is not a valid Hugging Face repository id "
+                               f"({(str(e).splitlines() or [''])[0]})") from None
+    if revision is None:
+        return
+    bad = (not _REVISION.match(revision) or ".." in revision or "//" in revision or revision.endswith(("/", ".lock"))
+           or any(part.startswith(".") for part in revision.split("/")))
+    if bad:
+        raise WeightsError(f"{given}: revision {revision!r} is not a valid Hugging Face revision (a branch, tag or "
+                           "commit: letters, digits and . _ / -, no '..', no empty or hidden path part)")
+
+
 def hf_cache_dir() -> str:
     """The Hugging Face hub cache, from the environment at call time (huggingface_hub reads it once, at import):
     HF_HUB_CACHE, else HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
@@ -123,8 +149,13 @@ def resolve_model_path(name_or_path: str) -> str:
     cache_dir = hf_cache_dir()
     m = _HF_ID.match(name_or_path)
     if m:
+        check_hf_id(m["repo"], m["rev"], name_or_path)
         folder = hf_cached_snapshot(m["repo"], m["rev"], cache_dir)
         if folder is not None:
+            snaps = os.path.join(cache_dir, "models--" + m["repo"].replace("/", "--"), "snapshots")
+            if not _inside(os.path.realpath(folder), [os.path.realpath(snaps)]):
+                raise WeightsError(f"{name_or_path}: the cache resolves it to {folder}, outside the repository's "
+                                   f"snapshots folder {snaps}")
             if not os.path.isfile(os.path.join(folder, "config.json")):
                 raise WeightsError(f"{name_or_path}: the local Hugging Face cache has a snapshot ({folder}) but "
                                    "no config.json in it (an incomplete download?)")

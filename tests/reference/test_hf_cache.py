@@ -85,6 +85,23 @@ def test_revision_branch_and_commit(hub, no_network):
         resolve_model_path("org/tiny@v2")
 
 
+def test_ids_and_revisions_that_are_not_valid_are_refused_before_any_path(hub, monkeypatch, no_network):
+    """`org/name@../../x` must not walk out of refs/: here the path it would form names the snapshot of another
+    repository (`../../models--org--tiny/refs/main` from org/other), which a path join would happily load."""
+    other = hub["hub"] / "models--org--other"
+    (other / "refs").mkdir(parents=True)
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda *a, **k: pytest.fail("a path was formed from an invalid revision"))
+    for bad, why in (("org/other@../../models--org--tiny/refs/main", "not a valid Hugging Face revision"),
+                     ("org/tiny@..", "not a valid Hugging Face revision"), ("org/tiny@a//b", "revision"),
+                     ("org/tiny@.hidden", "revision"), ("org/tiny@main.lock", "revision"),
+                     ("org/ti..ny", "not a valid Hugging Face repository id"),
+                     ("org/tiny--x", "not a valid Hugging Face repository id")):
+        with pytest.raises(WeightsError, match=why):
+            resolve_model_path(bad)
+
+
 def test_hf_hub_cache_and_offline(hub, monkeypatch, no_network):
     # HF_HUB_CACHE names the hub folder itself and wins over HF_HOME
     monkeypatch.setenv("HF_HOME", str(hub["home"] / "elsewhere"))
