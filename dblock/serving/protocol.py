@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible server, as pydantic models; every 4xx names its field.
 
-Requests are validated strictly (no "8" for 8, no true for 1) and unknown keys are ignored, as OpenAI-compatible
-servers do. A failed validation is a 400 whose message starts with the offending parameter
+Requests are validated strictly (no "8" for 8, no true for 1). Every field a request may carry is listed below: a
+field this server does not honour is refused by name with a 400 (`logit_bias`, the legacy `functions` /
+`function_call`, ... : `NOT_HONOURED`, each with its reason; any other unknown field: "not a field this server
+accepts", with the accepted ones), never silently ignored. A failed validation is a 400 whose message starts with the offending parameter
 (`max_tokens: must be an integer >= 1, got 0`, `stream_options.include_usage: ...`, `messages[0].role: ...`).
 
 `/v1/completions` (`CompletionRequest`)
@@ -37,7 +39,8 @@ field takes the server's default (`dblock serve` decoding flags: greedy, no stop
                 one (excluded, as OpenAI); also tokenized, so decoding stops there
   stop_token_ids  list of token ids that end generation like EOS (vLLM's)
   min_tokens    integer >= 0 (at most max_tokens): no stop before that many tokens;  ignore_eos  bool
-  presence_penalty / frequency_penalty (numbers in [-2, 2]): accepted and ignored; user (string): ignored.
+  presence_penalty / frequency_penalty: only 0 or null (the server applies no penalties); user (string):
+                metadata, accepted (it changes nothing, as OpenAI's).
 `/tokenize` (`TokenizeRequest`): {"prompt": string, "add_special_tokens": bool (default true)} or {"messages",
   "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens" (default false)};
   `return_token_strs`, `allow_special_tokens`. `/detokenize` (`DetokenizeRequest`): {"tokens": [int, ...]}.
@@ -144,6 +147,16 @@ def _inner_model(annotation) -> Optional[type]:
     return None
 
 
+def _fields_at(cls, loc) -> list:
+    """The field names of the (nested) model at `loc` (list indices skipped)."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        f = cls.model_fields.get(part) if cls is not None else None
+        cls = _inner_model(f.annotation) if f is not None else None
+    return list(cls.model_fields) if cls is not None else []
+
+
 def _description(cls, loc) -> Optional[str]:
     desc = None
     for part in loc:
@@ -165,6 +178,15 @@ def api_error(e: ValidationError, cls) -> APIError:
     if not loc:
         return APIError(400, "request body: expected a JSON object", None, "invalid_json")
     param = ctx.get("param") or _param(loc)
+    if kind == "extra_forbidden":
+        why = NOT_HONOURED.get(str(loc[-1]))
+        if why is None:
+            known = sorted(_fields_at(cls, loc[:-1]))
+            why = ("not a field this server accepts (it would be ignored); accepted here: " + ", ".join(known)
+                   if known else "not a field this server accepts")
+        if not _param(loc):                    # an empty key: no name to give as the parameter
+            return APIError(400, f"request body: field {str(loc[-1])!r}: {why}", None, "unsupported_field")
+        return APIError(400, f"{param}: {why}", param, "unsupported_field")
     if kind in _OWN:
         return APIError(400, f"{param}: {ctx.get('m', err['msg'])}", param, kind)
     desc = _description(cls, loc) or err["msg"][:1].lower() + err["msg"][1:]
@@ -182,7 +204,28 @@ def _context(info: ValidationInfo) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # a field the server does not know is refused by name (a client that sends it would believe it took effect)
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+#: fields OpenAI (or vLLM) define that this server does not honour: refused with a reason (any other unknown field is
+#: refused as unknown)
+NOT_HONOURED = {
+    "logit_bias": "logit_bias is not supported: this server applies no per-token logit offsets",
+    "functions": "the legacy function calling (functions / function_call) is not supported",
+    "function_call": "the legacy function calling (functions / function_call) is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "logprobs": "logprobs are not supported",
+    "top_logprobs": "logprobs are not supported",
+    "audio": "audio output is not supported", "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported", "service_tier": "service tiers are not supported",
+    "store": "stored completions are not supported", "metadata": "stored completions (metadata) are not supported",
+    "reasoning_effort": "reasoning effort is not supported", "web_search_options": "web search is not supported",
+    "repetition_penalty": "repetition_penalty is not supported", "min_p": "min_p is not supported",
+    "length_penalty": "length_penalty is not supported", "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported", "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported", "structured_outputs": "guided decoding is not supported",
+}
 
 
 def _f(default, description: str, **kw):
@@ -213,6 +256,14 @@ class _Sampling(_Body):
     frequency_penalty: Optional[float] = _f(None, "must be a finite number in [-2, 2]", ge=-2, le=2,
                                             allow_inf_nan=False)
     user: Optional[str] = _f(None, "must be a string")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v, info: ValidationInfo):
+        if v:
+            raise _fail("unsupported_value", f"{info.field_name} is not applied by this server; only 0 (or null) is "
+                        f"accepted, got {v!r}")
+        return v
 
     @field_validator("n")
     @classmethod

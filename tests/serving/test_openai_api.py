@@ -172,11 +172,25 @@ def test_chat_errors(model, tokenizer, template):
             assert err["type"] == "invalid_request_error"
         r = chat(srv.url, dict(messages=user, model="gpt-4"))
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-        # the neutral values of the sampling and stop fields, penalties, user and unknown fields: same tokens
+        # the neutral values of the sampling and stop fields, penalties and user: same tokens
         plain = chat(srv.url, dict(messages=user, max_tokens=8)).json()["choices"][0]["token_ids"]
         r = chat(srv.url, dict(messages=user, max_tokens=8, temperature=0, top_p=1, top_k=-1, min_tokens=0,
-                               ignore_eos=False, stop=[], n=1, presence_penalty=0.5, user="u", unknown_field=1))
+                               ignore_eos=False, stop=[], n=1, presence_penalty=0, user="u"))
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == plain
+        # a field the server would not honour is refused by name, never ignored
+        for extra, needle in ((dict(logit_bias={"5": 10}), "no per-token logit offsets"),
+                              (dict(functions=[{"name": "f"}]), "legacy function calling"),
+                              (dict(function_call="auto"), "legacy function calling"),
+                              (dict(presence_penalty=0.5), "not applied"),
+                              (dict(unknown_field=1), "not a field this server accepts")):
+            r = chat(srv.url, dict(messages=user, max_tokens=8, **extra))
+            err = r.json()["error"]
+            name = next(iter(extra))
+            assert r.status_code == 400 and err["param"] == name and err["message"].startswith(name + ":") and \
+                needle in err["message"], (extra, err)
+        r = httpx.post(srv.url + "/v1/completions", json=dict(prompt="1+1=", max_tokens=4, logit_bias={"5": 1}),
+                       timeout=T)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
         assert engine.snapshot()["failed"] == 0
 
 
