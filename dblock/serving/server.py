@@ -266,6 +266,16 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
         except ChatTemplateError as e:
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages",
                            "chat_template_error") from None
+        if not text:
+            empty = next((i for i, m in enumerate(messages) if not m.get("content")), None)
+            if empty is not None:
+                raise APIError(400, f"messages[{empty}].content: missing or empty, and the chat template rendered "
+                               "nothing from the messages (an empty prompt)", f"messages[{empty}].content",
+                               "missing_field")
+            roles = ", ".join(sorted({str(m.get("role")) for m in messages}))
+            raise APIError(400, f"messages: the chat template rendered nothing from these messages (roles: {roles}; "
+                           "an empty prompt -- this model's template may drop system messages: add a user "
+                           "message)", "messages", "empty_prompt")
         try:
             return encode(text, "messages", limits, tokenizer, add_special_tokens, allow_special=True)
         except APIError as e:

@@ -177,6 +177,14 @@ def test_chat_errors(model, tokenizer, template):
         r = chat(srv.url, dict(messages=user, max_tokens=8, temperature=0, top_p=1, top_k=-1, min_tokens=0,
                                ignore_eos=False, stop=[], n=1, presence_penalty=0, user="u"))
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == plain
+        # messages that render to nothing: the message and field named, or the template said to render nothing
+        for msgs, param, needle in (([{"role": "user"}], "messages[0].content", "missing or empty"),
+                                    ([{"role": "user", "content": ""}], "messages[0].content", "missing or empty"),
+                                    ([{"role": "system", "content": "be brief"}], "messages",
+                                     "rendered nothing")):
+            r = chat(srv.url, dict(messages=msgs, max_tokens=8))
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and needle in err["message"], (msgs, err)
         # a field the server would not honour is refused by name, never ignored
         for extra, needle in ((dict(logit_bias={"5": 10}), "no per-token logit offsets"),
                               (dict(functions=[{"name": "f"}]), "legacy function calling"),
