@@ -65,6 +65,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import signal
 import socket
 import threading
@@ -748,6 +749,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+_METHOD = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
+_REQUEST_LINE_PREFIX = re.compile(_METHOD + rb"{0,32}(?: [\x21-\x7e]*(?: (?:H(?:T(?:T(?:P(?:/[0-9]?(?:\.[0-9]?)?)?)?)?)?"
+                                  rb")?)?)?")
+_REQUEST_LINE = re.compile(_METHOD + rb"{1,32} [\x21-\x7e]+ HTTP/[0-9]\.[0-9]\r?")
+
+
+def could_be_request_line(head: bytes) -> bool:
+    """Whether the first bytes of a connection (or of the next request on it) can still become an HTTP/1 request
+    line `METHOD SP target SP HTTP/x.y CRLF` (leading empty lines allowed, as RFC 9112 asks): false as soon as a
+    byte rules it out, so that noise gets its 400 at once instead of waiting out the header timeout."""
+    head = head.lstrip(b"\r\n")
+    line, nl, _ = head.partition(b"\n")
+    if nl:
+        return _REQUEST_LINE.fullmatch(line) is not None
+    return _REQUEST_LINE_PREFIX.fullmatch(line) is not None
+
+
 def _h11_protocol(header_timeout: float):
     """uvicorn's h11 protocol with a header deadline: a connection must deliver a complete request head (request
     line and headers) within `header_timeout` seconds of opening, or of its previous response, or it is closed.
@@ -761,6 +779,7 @@ def _h11_protocol(header_timeout: float):
     class DblockH11Protocol(H11Protocol):
         _header_timer = None
         _waiting_for = None                 # the cycle that was current when the timer was armed
+        _head = b""                          # the first bytes of the request head being waited for
 
         def connection_made(self, transport):
             super().connection_made(transport)
@@ -768,6 +787,7 @@ def _h11_protocol(header_timeout: float):
 
         def _arm(self):
             self._disarm()
+            self._head = b""
             self._waiting_for = self.cycle
             self._header_timer = self.loop.call_later(header_timeout, self._header_timeout)
 
@@ -786,6 +806,20 @@ def _h11_protocol(header_timeout: float):
             self.transport.close()
 
         def data_received(self, data):
+            if self._header_timer is not None and self.cycle is self._waiting_for and len(self._head) < 256:
+                self._head = (self._head + data)[:256]
+                if not could_be_request_line(self._head):      # bytes that cannot become HTTP: answer now
+                    client = "%s:%s" % self.client[:2] if self.client else "a client"
+                    log.info("closing the connection from %s: its first bytes are not an HTTP request line", client)
+                    self._disarm()
+                    body = json.dumps({"error": {"message": "request: the bytes received cannot be an HTTP request "
+                                                 "line (METHOD SP target SP HTTP/x.y)", "type": "invalid_request_error",
+                                                 "param": None, "code": "bad_request_line"}}).encode()
+                    self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                         b"connection: close\r\ncontent-length: " + str(len(body)).encode() +
+                                         b"\r\n\r\n" + body)
+                    self.transport.close()
+                    return
             super().data_received(data)
             if self._header_timer is not None and self.cycle is not self._waiting_for:
                 self._disarm()              # a request head arrived: the app's body timeout applies now
