@@ -35,3 +35,34 @@ class PromptError(DblockError, ValueError):
 
 class DistributedError(DblockError, RuntimeError):
     """A torch.distributed run that failed or timed out; the message says which ranks and what they were doing."""
+
+
+class WriteError(DblockError, OSError):
+    """A file that could not be written (a full disk, a file-size limit, a lost mount): names the output and the
+    cause. Whatever was being written is removed; nothing half-written is left."""
+
+    def __init__(self, path: str, detail: str):
+        super().__init__(f"{path}: could not be written ({detail}); nothing was left behind")
+        self.path, self.detail = path, detail
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.detail))
+
+
+def write_failure(path: str, e: BaseException) -> "WriteError":
+    """A library's write error (safetensors' SafetensorError, torch.save's RuntimeError "[enforce fail ...] file
+    write failed", an OSError) as one WriteError naming `path` and the cause (ENOSPC, EFBIG, ...) when the message
+    says which."""
+    import errno as _errno
+    msg = str(e)
+    cause = None
+    if isinstance(e, OSError) and e.errno:
+        cause = f"{_errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
+    else:
+        for code, text in ((_errno.ENOSPC, "No space left on device"), (_errno.EFBIG, "File too large"),
+                           (_errno.EDQUOT, "Disk quota exceeded"), (_errno.EIO, "Input/output error")):
+            if text.lower() in msg.lower():
+                cause = f"{_errno.errorcode[code]}: {text}"
+                break
+    detail = cause or (msg.splitlines() or [type(e).__name__])[0][:160]
+    return WriteError(path, detail)

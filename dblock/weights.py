@@ -589,11 +589,29 @@ def staged_folder(out_dir: str, overwrite: bool = False):
                 shutil.copymode(out_dir, tmp)
             except OSError:
                 pass
-        yield tmp
-        publish(tmp, out_dir, overwrite)
+        try:
+            yield tmp
+            publish(tmp, out_dir, overwrite)
+        except OSError as e:     # name the user's output folder, not the staging one (and a full disk in one line)
+            from dblock.errors import WriteError, write_failure
+            w = e if isinstance(e, WriteError) else write_failure(getattr(e, "filename", None) or tmp, e)
+            raise WriteError(w.path.replace(tmp, out_dir.rstrip(os.sep)), w.detail) from None
     finally:
         if os.path.lexists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_tensors(save_file, tensors: dict, path: str) -> None:
+    """safetensors' save_file, a failed write (a full disk, a file-size limit) as one WriteError naming the file."""
+    from dblock.errors import WriteError, write_failure
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except WriteError:
+        raise
+    except Exception as e:        # SafetensorError (not an OSError) or OSError
+        if isinstance(e, (ConfigError, WeightsError)):
+            raise
+        raise write_failure(path, e) from None
 
 
 def write_model(model: torch.nn.Module, folder: str, extra_files: Optional[dict] = None,
@@ -623,7 +641,7 @@ def write_model(model: torch.nn.Module, folder: str, extra_files: Optional[dict]
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     if max_shard_bytes is None:
-        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        _save_tensors(save_file, tensors, os.path.join(folder, "model.safetensors"))
     else:
         shards, cur, size = [], {}, 0
         for k in sorted(tensors):
@@ -637,7 +655,7 @@ def write_model(model: torch.nn.Module, folder: str, extra_files: Optional[dict]
         wmap = {}
         for i, sh in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(sh, os.path.join(folder, name), metadata={"format": "pt"})
+            _save_tensors(save_file, sh, os.path.join(folder, name))
             wmap.update({k: name for k in sh})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:

@@ -488,13 +488,21 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
 def _atomic_save(obj, path: str) -> None:
     """torch.save to `path`.tmp, then renamed over `path`; on any failure (a full disk) the .tmp is removed and
     `path` keeps the previous checkpoint."""
+    import io
+
+    from dblock.errors import write_failure
     tmp = path + ".tmp"
     try:
-        torch.save(obj, tmp)
+        buf = io.BytesIO()          # serialised first, so that a failed write is an OSError with its errno
+        torch.save(obj, buf)
+        with open(tmp, "wb") as f:
+            f.write(buf.getbuffer())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.lexists(tmp):
             os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):     # torch.save: "[enforce fail ...] file write failed"
+            raise write_failure(path, e) from None
         raise
 
 
@@ -614,12 +622,13 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
         raise ValueError("--steps and --minutes must be positive")
     if cfg.batch_size <= 0:
         raise ValueError("--batch-size must be positive")
+    created = not os.path.exists(cfg.out)
     run_dir, staged = _run_folder(cfg.out, resume, overwrite)
     try:
         return _train(cfg, resume, stop_after, log, run_dir, staged)
     except BaseException:
-        if staged:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if staged or (created and not os.path.exists(os.path.join(run_dir, STATE_FILE))):
+            shutil.rmtree(run_dir, ignore_errors=True)      # nothing to resume from: leave nothing behind
         raise
 
 

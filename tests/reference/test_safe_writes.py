@@ -308,16 +308,24 @@ def test_checkpoint_tmp_removed_on_failure(tmp_path, monkeypatch):
     train(micro(d), stop_after=1, log=quiet)
     before = (d / STATE_FILE).read_bytes()
     import dblock.tasks.train as T
-    real = torch.save
 
-    def save(obj, path, *a, **k):
-        with open(path, "wb") as f:
-            f.write(b"half")
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(T.torch, "save", save)
-    with pytest.raises(OSError, match="No space left"):
+    class Full:                    # the checkpoint file: half of it written, then the disk is full
+        def __init__(self, path, mode):
+            self.f = open(path, mode)
+
+        def write(self, data):
+            self.f.write(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+    monkeypatch.setattr(T, "open", Full, raising=False)
+    with pytest.raises(OSError, match=r"train_state.pt: could not be written \(ENOSPC: No space left on device\)"):
         train(micro(d), resume=True, log=quiet)
-    monkeypatch.setattr(T.torch, "save", real)
+    monkeypatch.delattr(T, "open")
     assert (d / STATE_FILE).read_bytes() == before and not (d / (STATE_FILE + ".tmp")).exists()
 
 
