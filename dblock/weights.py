@@ -147,17 +147,18 @@ def resolve_model_path(name_or_path: str) -> str:
     if os.path.isdir(name_or_path):
         return name_or_path
     cache_dir = hf_cache_dir()
+    shown = name_or_path if name_or_path.isprintable() else repr(name_or_path)   # one line, whatever it holds
     m = _HF_ID.match(name_or_path)
     if m:
-        check_hf_id(m["repo"], m["rev"], name_or_path)
+        check_hf_id(m["repo"], m["rev"], shown)
         folder = hf_cached_snapshot(m["repo"], m["rev"], cache_dir)
         if folder is not None:
             snaps = os.path.join(cache_dir, "models--" + m["repo"].replace("/", "--"), "snapshots")
             if not _inside(os.path.realpath(folder), [os.path.realpath(snaps)]):
-                raise WeightsError(f"{name_or_path}: the cache resolves it to {folder}, outside the repository's "
+                raise WeightsError(f"{shown}: the cache resolves it to {folder}, outside the repository's "
                                    f"snapshots folder {snaps}")
             if not os.path.isfile(os.path.join(folder, "config.json")):
-                raise WeightsError(f"{name_or_path}: the local Hugging Face cache has a snapshot ({folder}) but "
+                raise WeightsError(f"{shown}: the local Hugging Face cache has a snapshot ({folder}) but "
                                    "no config.json in it (an incomplete download?)")
             return folder
     if m:
@@ -166,7 +167,7 @@ def resolve_model_path(name_or_path: str) -> str:
     else:
         where, repo = (f"not a Hugging Face id of the form org/name (those are looked up in the local cache "
                        f"{cache_dir})"), "org/name"
-    raise WeightsError(f"{name_or_path}: no such model folder, not a bundled model (bundled: "
+    raise WeightsError(f"{shown}: no such model folder, not a bundled model (bundled: "
                        f"{', '.join(bundled) or 'none'}), and {where}. dblock never downloads: on a connected "
                        f"machine run `huggingface-cli download {repo}` (then point HF_HOME or HF_HUB_CACHE at that "
                        "cache), or pass the model folder")

@@ -131,20 +131,43 @@ class ChatTemplate:
         from jinja2.exceptions import TemplateSyntaxError
         self.source, self.origin = source, origin
         self.special_tokens = {k: _token_text((special_tokens or {}).get(k)) for k in SPECIAL_TOKEN_KEYS}
+        self._env = _environment()
         try:
-            self.template = _environment().from_string(source)
-        except TemplateSyntaxError as e:
+            self._env.parse(source)          # syntax only: compiling (and jinja's constant folding, which can build
+        except TemplateSyntaxError as e:     # a gigabyte string from '{{ "x" * 10**9 }}') waits for the first render
             raise ValueError(f"{origin}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+        self._compiled = None
+
+    @property
+    def template(self):
+        """The compiled template (compiled on first use: in the server that is inside a bounded render worker)."""
+        if self._compiled is None:
+            self._compiled = self._env.from_string(self.source)
+        return self._compiled
 
     def render(self, messages: list, add_generation_prompt: bool = True, continue_final_message: bool = False,
-               kwargs: Optional[dict] = None) -> str:
+               kwargs: Optional[dict] = None, max_chars: Optional[int] = None) -> str:
         """The prompt text of `messages` (dicts). `continue_final_message`: cut right after the last message's
-        content so the model continues it (vLLM / transformers semantics; no generation prompt then)."""
+        content so the model continues it (vLLM / transformers semantics; no generation prompt then).
+        `max_chars`: stop as soon as the template has written more (a ChatTemplateError); the server renders
+        through `render_worker.BoundedRenderer`, which adds a time limit."""
         from jinja2.exceptions import TemplateError
         vars_ = {"tools": None, "documents": None, **(kwargs or {}), **self.special_tokens,
                  "messages": messages, "add_generation_prompt": add_generation_prompt and not continue_final_message}
         try:
-            text = self.template.render(**vars_)
+            if max_chars is None:
+                text = self.template.render(**vars_)
+            else:
+                parts, n = [], 0
+                for piece in self.template.generate(**vars_):
+                    n += len(piece)
+                    if n > max_chars:
+                        raise ChatTemplateError(f"the template wrote more than {max_chars} characters (the server's "
+                                                "limit, --template-max-chars): the render was stopped")
+                    parts.append(piece)
+                text = "".join(parts)
+        except ChatTemplateError:
+            raise
         except TemplateError as e:
             raise ChatTemplateError(str(e) or type(e).__name__) from None
         except Exception as e:                                # a template bug: still the request's 400, not a 500

@@ -49,6 +49,11 @@ def add_parser(subparsers) -> None:
     g.add_argument("--chat-template", default=None, metavar="PATH_OR_STRING",
                    help="Jinja chat template for /v1/chat/completions: a file or the template text (default: the "
                         "model folder's chat_template.jinja, else tokenizer_config.json's chat_template)")
+    g.add_argument("--template-timeout", type=float_arg(0.0, 3600.0, lo_open=True), default=2.0, metavar="SECONDS",
+                   help="a chat-template render is stopped (400) after this long; it runs in a worker process, so "
+                        "other requests and /health go on meanwhile (default 2 s)")
+    g.add_argument("--template-max-chars", type=int_arg(1, 1 << 30), default=1_000_000, metavar="N",
+                   help="a chat-template render writing more than N characters is stopped (400) (default 1000000)")
     g.add_argument("--max-batch", type=int_arg(1, 1 << 16), default=16,
                    help="most requests in one pass (batch cap; default 16)")
     g.add_argument("--max-queue", type=int_arg(1, 1 << 24), default=256,
@@ -161,7 +166,9 @@ def build_server(args):
     template = load_chat_template(getattr(model, "source", None), getattr(args, "chat_template", None))
     app = create_app(engine, tokenizer=tok, model_name=name, limits=limits, api_key=api_key,
                      drain_timeout=args.drain_timeout, chat_template=template,
-                     request_timeout=args.request_timeout)
+                     request_timeout=args.request_timeout,
+                     template_timeout=getattr(args, "template_timeout", 2.0),
+                     template_max_chars=getattr(args, "template_max_chars", 1_000_000))
     return app, engine, trace, api_key
 
 

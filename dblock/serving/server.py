@@ -80,6 +80,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dblock.serving.chat import ChatTemplate, ChatTemplateError, find_special_text, special_text_pattern
+from dblock.serving.render_worker import MAX_CHARS, TIME_LIMIT_S, BoundedRenderer
+from dblock.serving.render_worker import self_test as template_self_test
 from dblock.errors import ConfigError
 from dblock.serving.engine import Engine, Rejected
 from dblock.serving.metrics import CONTENT_TYPE, Metrics
@@ -194,18 +196,30 @@ def _special_spellings(tokenizer) -> list:
 
 def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", limits: Optional[Limits] = None,
                api_key: Optional[str] = None, drain_timeout: Optional[float] = None, poll_s: float = 0.25,
-               chat_template: Union[ChatTemplate, str, None] = None, request_timeout: float = REQUEST_TIMEOUT):
+               chat_template: Union[ChatTemplate, str, None] = None, request_timeout: float = REQUEST_TIMEOUT,
+               template_timeout: float = TIME_LIMIT_S, template_max_chars: int = MAX_CHARS):
     """The ASGI app over `engine`. Its lifespan starts the engine thread and, at shutdown, drains and stops it.
 
     `chat_template`: a `ChatTemplate` (`chat.load_chat_template`), template text, or None (chat answers 400).
     `request_timeout`: seconds a client has to send the request headers, and then the body (408 beyond); the
-    returned app carries it as `dblock_request_timeout` for `ServerThread` / `run_server` (the header half)."""
+    returned app carries it as `dblock_request_timeout` for `ServerThread` / `run_server` (the header half).
+    The template renders in killable worker processes (`render_worker.BoundedRenderer`) with at most
+    `template_timeout` seconds and `template_max_chars` characters a render (a 400 for that request beyond), off
+    the event loop; it must render one user message at startup (`self_test`: a ValueError otherwise)."""
 
     limits = (limits or Limits()).validate()
     request_timeout = check_request_timeout(request_timeout)
     metrics = Metrics(engine, model_name)
     if isinstance(chat_template, str):
         chat_template = ChatTemplate(chat_template, origin="chat_template")
+    renderer = None
+    if chat_template is not None:
+        renderer = BoundedRenderer(chat_template, template_timeout, template_max_chars).start()
+        try:
+            template_self_test(renderer)
+        except BaseException:
+            renderer.close()
+            raise
     created = int(time.time())
     max_model_len = int(getattr(engine, "max_positions", 0) or 0)
     control_ids = tokenizer_control_ids(getattr(engine, "cfg", None))
@@ -222,6 +236,8 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
         yield
         engine.stop_accepting()
         ok = await asyncio.to_thread(engine.shutdown, True, drain_timeout)
+        if renderer is not None:
+            renderer.close()
         log.info("engine stopped (%s)", "drained" if ok else "drain timed out")
 
     app = FastAPI(title="dblock", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -262,8 +278,8 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
                                "token; message text cannot produce control tokens (send \"allow_special_tokens\": "
                                "true to opt in)", where, "special_token_in_text")
         try:
-            text = chat_template.render(messages, bool(req.add_generation_prompt), bool(req.continue_final_message),
-                                        req.chat_template_kwargs)
+            text = renderer.render(messages, bool(req.add_generation_prompt), bool(req.continue_final_message),
+                                   req.chat_template_kwargs)
         except ChatTemplateError as e:
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages",
                            "chat_template_error") from None
@@ -419,7 +435,7 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
         try:
             body = await read_body(request)
             creq = parse(ChatCompletionRequest, body, limits, (model_name,))
-            ids = render(creq, bool(creq.add_special_tokens))
+            ids = await asyncio.to_thread(render, creq, bool(creq.add_special_tokens))   # off the event loop
             sampling, stops = sampling_of(creq)
         except APIError as e:
             return fail(ep, e)
@@ -434,7 +450,7 @@ def create_app(engine: Engine, *, tokenizer=None, model_name: str = "dblock", li
             body = await read_body(request)
             req = parse(TokenizeRequest, body, limits, (model_name,))
             if req.messages is not None:
-                ids = render(req, req.special_tokens)
+                ids = await asyncio.to_thread(render, req, req.special_tokens)
             else:
                 ids = encode(req.prompt, "prompt", limits, tokenizer, req.special_tokens,
                              allow_special=bool(req.allow_special_tokens), control_ids=control_ids)

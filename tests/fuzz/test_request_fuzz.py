@@ -193,8 +193,10 @@ def body(draw, path: str) -> dict:
         good, bad, _ = fields[k]
         use_bad = k == bad_one or (mode == "any" and draw(st.booleans()))
         out[k] = draw(bad if use_bad else good)
-    if draw(st.floats(0, 1)) < 0.15:
-        out[draw(st.sampled_from(["unknown", "extra_body", "dblock", "", "prompt_ids"]))] = draw(junk)
+    if draw(st.floats(0, 1)) < 0.2:        # fields the server does not honour: refused by name, never ignored
+        from dblock.serving.protocol import NOT_HONOURED
+        out[draw(st.sampled_from(["unknown", "extra_body", "dblock", "", "prompt_ids"] + sorted(NOT_HONOURED)))] = \
+            draw(junk)
     return out
 
 
