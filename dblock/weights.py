@@ -368,6 +368,25 @@ def stream_tensors(folder: str, want: dict, dtype=None, device=None, keep32=froz
             bar.close()
 
 
+@contextlib.contextmanager
+def _no_init():
+    """Build a model skeleton without running the modules' random initialisers: their values are replaced by the
+    checkpoint anyway, and on the meta device they dispatch through torch's reference ops, whose first use imports
+    torch._dynamo (seconds of start-up). transformers' `no_init_weights` does the same."""
+    import torch.nn.init as init
+    names = [n for n in ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                         "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                         "sparse_") if hasattr(init, n)]
+    saved = {n: getattr(init, n) for n in names}
+    try:
+        for n in names:
+            setattr(init, n, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(init, n, f)
+
+
 def config_dtype(folder: str):
     """The compute dtype config.json names (`torch_dtype`, or transformers 5's `dtype`), or None; a value that is
     not a dtype name is a ConfigError naming the file and key."""
@@ -456,7 +475,7 @@ def load(path_or_name: str, dtype=None, device=None, progress: Optional[bool] = 
         dtype = config_dtype(folder)
     fam = FAMILIES[cfg.family]
     slots = fam.slots(cfg)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = fam.model_class(cfg)
     parts, carried = _Assembly(slots, model.state_dict()), {}
     keep32 = frozenset(k for k, s in slots.items() if s.fp32)
