@@ -20,6 +20,9 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 # A vision tower small enough to ride along in tiny checkpoints, so transformers loads them with no missing key.
 # Also the `vision_config` written for a config that has none.
+#: the released DiffusionGemma's image placeholder id; written for models whose vocabulary has none
+NO_IMAGE_TOKEN_ID = 258_880
+
 TINY_VISION = dict(
     model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
     num_key_value_heads=2, head_dim=8, patch_size=2, position_embedding_size=8, pooling_kernel_size=3,
@@ -358,7 +361,7 @@ class GemmaConfig:
             canvas_length=validate.opt(d, "canvas_length", 256),
             tie_word_embeddings=validate.opt(d, "tie_word_embeddings", True), eos_token_ids=eos_ids,
             pad_token_id=int(pad), bos_token_id=tc.get("bos_token_id"),
-            image_token_id=d.get("image_token_id", 258_880), boi_token_id=d.get("boi_token_id"),
+            image_token_id=d.get("image_token_id", NO_IMAGE_TOKEN_ID), boi_token_id=d.get("boi_token_id"),
             eoi_token_id=d.get("eoi_token_id"),
             max_position_embeddings=validate.opt(tc, "max_position_embeddings", 131_072),
             hidden_activation=tc.get("hidden_activation", "gelu_pytorch_tanh"), vision_config=d.get("vision_config"),
@@ -395,7 +398,10 @@ class GemmaConfig:
         return {
             "architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma",
             "canvas_length": self.canvas_length, "tie_word_embeddings": self.tie_word_embeddings,
-            "image_token_id": self.image_token_id, "boi_token_id": self.boi_token_id,
+            # transformers' generate compares the prompt with image_token_id and fails on null: a model without
+            # image tokens in its vocabulary writes the released model's id, outside it (read back as None)
+            "image_token_id": self.image_token_id if self.image_token_id is not None else NO_IMAGE_TOKEN_ID,
+            "boi_token_id": self.boi_token_id,
             "eoi_token_id": self.eoi_token_id, "initializer_range": 0.02, "text_config": text,
             "vision_config": self.vision_config if self.vision_config is not None else dict(TINY_VISION),
         }

@@ -368,3 +368,26 @@ def test_image_inputs_refused():
 def test_masked_rules_refused():
     with pytest.raises(ValueError, match="entropy-bound"):
         generate(make_ours("tiny"), [[5, 6]], DecodeConfig(max_new_tokens=4))
+
+
+@pytest.mark.parametrize("name", ["tiny-uniform"])
+def test_bundled_folders_run_unchanged_in_transformers_generate(name):
+    """A bundled DiffusionGemma folder, as it is on disk: transformers' from_pretrained + generate run it (its
+    config carries an integer image_token_id: transformers' generate fails on null) and give dblock's reference
+    tokens at batch 1 for the same seed and sampler settings."""
+    import os
+
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from dblock.weights import CHECKPOINTS_DIR
+    folder = os.path.join(CHECKPOINTS_DIR, name)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        pytest.fail(f"{folder}: the bundled model is missing")
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(folder).eval()
+    ours = dblock.load(name)
+    hf = hf.to(next(ours.parameters()).dtype)
+    dec = DecodeConfig(rule="entropy-bound", seed=3, max_new_tokens=32)
+    prompt = [5, 6, 7, 17] if name == "tiny-uniform" else [10, 300, 301, 12]
+    theirs, passes, _ = hf_generate(hf, prompt, 3, dec, eos=ours.config.eos_token_id, pad=ours.config.pad_token_id)
+    res = generate(ours, [prompt], dec)
+    assert res.runs[0].generated == theirs and res.counters[0].F == passes
