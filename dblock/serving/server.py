@@ -790,6 +790,7 @@ def _h11_protocol(header_timeout: float):
     arrives, so a client sending nothing, or its headers a byte at a time, would otherwise hold a connection (and
     a --max-queue slot of `limit_concurrency`) for ever. Once a request head is complete the app's body timeout
     takes over (`_read_body`)."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class DblockH11Protocol(H11Protocol):
@@ -822,7 +823,10 @@ def _h11_protocol(header_timeout: float):
             self.transport.close()
 
         def data_received(self, data):
-            if self._header_timer is not None and self.cycle is self._waiting_for and len(self._head) < 256:
+            # only while h11 waits for a new request: after an early answer (a 413 on Content-Length) the rest of
+            # that request's body still arrives on a kept-alive connection, and those bytes are a body, not noise
+            if (self._header_timer is not None and self.cycle is self._waiting_for and len(self._head) < 256
+                    and self.conn.their_state is h11.IDLE):
                 self._head = (self._head + data)[:256]
                 if not could_be_request_line(self._head):      # bytes that cannot become HTTP: answer now
                     client = "%s:%s" % self.client[:2] if self.client else "a client"

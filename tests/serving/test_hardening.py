@@ -349,3 +349,31 @@ def test_chat_content_cannot_smuggle_control_tokens_but_the_template_writes_them
         err = shaped(post("/v1/chat/completions", {"messages": convo[:2] + [{"role": "user", "content": "1+ü"}]}),
                      400)
         assert err["param"] == "messages" and "messages[2].content" in err["message"] and "'ü'" in err["message"]
+
+
+def test_the_rest_of_a_body_answered_early_is_not_taken_for_a_request_line(model, tokenizer):
+    """A 413 on Content-Length is sent before the body arrives; the body's bytes that follow on the kept-alive
+    connection are that request's body (h11 reads them as such), never a new request line to answer 400 to."""
+    from dblock.serving.protocol import Limits
+    with serve(model, tokenizer, limits=Limits(max_body_bytes=64)) as (url, rec):
+        s = connect(url)
+        body = b'{"prompt": "1+1=", "max_tokens": 4, "padding": "' + b"x" * 80 + b'"}'
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        s.settimeout(5)
+        first = b""
+        while b"body_too_large" not in first:
+            chunk = s.recv(65536)
+            assert chunk, first
+            first += chunk
+        assert first.startswith(b"HTTP/1.1 413"), first[:200]
+        try:
+            s.sendall(body)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            data, _ = read_until_closed(s, 5) if b"connection: close" in first.lower() else (s.recv(65536), 0)
+        except OSError:
+            data = b""
+        s.close()
+        assert b"bad_request_line" not in data, data[:300]
+        assert data == b"" or data.startswith(b"HTTP/1.1 200"), data[:300]
+        assert httpx.get(url + "/health", timeout=T).status_code == 200
