@@ -116,11 +116,13 @@ def prompts_for(name, model, batch, rule="threshold", max_new=None):
 
 
 def _dec(model, max_new, rule):
-    """threshold: the Epoch evaluation decoder (tau 0.95, few passes per block on these models); fixed-k: LLaDA's
+    """threshold: the Epoch evaluation decoder (tau 0.95, with the model card's LLaDA2.0 steps S where it sets one:
+    code-masked); fixed-k: LLaDA's
     generate.py default of one position per pass (steps = C), where blocks live long and LSP has work to skip."""
     if rule == "fixed-k":
         return DecodeConfig(max_new_tokens=max_new, rule="fixed-k", steps=model.config.block_size)
-    return DecodeConfig(max_new_tokens=max_new)
+    from dblock.tasks.card import decoding_of
+    return DecodeConfig(max_new_tokens=max_new, threshold_steps=decoding_of(getattr(model, "source", None)).get("threshold_steps"))
 
 
 RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)

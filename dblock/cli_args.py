@@ -310,9 +310,9 @@ def add_decode_args(p):
     g.add_argument("--threshold-inclusive", action="store_true",
                    help="threshold rule: commit when confidence >= tau (dblock's earlier rule; default > tau, as "
                         "LLaDA2.0)")
-    g.add_argument("--threshold-steps", type=int_arg(1, MAX_STEPS), default=None,
+    g.add_argument("--threshold-steps", type=int_arg(0, MAX_STEPS), default=None,
                    help="threshold rule: LLaDA2.0's steps S, each pass commits at least its share of the block "
-                        f"(1..{MAX_STEPS}; default off)")
+                        f"(1..{MAX_STEPS}; 0 = off; default: the model card's `decoding`, else off)")
     g.add_argument("--mask-policy", default="exclude", choices=["exclude", "official", "ineligible"],
                    help="masked models: may the MASK id be predicted: exclude (default; never), official (LLaDA, "
                         "LLaDA2.0: yes, a MASK commit is wasted), ineligible (dInfer: such a row cannot commit)")
@@ -433,6 +433,11 @@ def decode_config(args, family: str, tokenizer=None):
     if args.no_cache and family != "llada2_moe":
         raise ConfigError(f"--no-cache applies to llada2_moe's block-causal grid, not {family}")
     threshold_steps = getattr(args, "threshold_steps", None)
+    if threshold_steps is None and rule == "threshold" and getattr(args, "model", None):
+        from dblock.tasks.card import decoding_of           # the model card's default (the bundled code-masked)
+        threshold_steps = decoding_of(args.model).get("threshold_steps")
+    elif threshold_steps == 0:                              # explicitly off, whatever the card says
+        threshold_steps = None
     if threshold_steps is not None and rule != "threshold":
         raise ConfigError(f"--threshold-steps {threshold_steps}: the threshold rule's LLaDA2.0 quota; the rule here is "
                           f"{rule}")

@@ -50,6 +50,17 @@ def task_of(model: str, default: str = "arith") -> str:
     return (read_card(folder) or {}).get("task", default)
 
 
+def decoding_of(model) -> dict:
+    """The decoding defaults a model's card sets (`card.json["decoding"]`, e.g. `{"threshold_steps": 8}`), {} when
+    it sets none or `model` is not a folder or bundled name. The commands apply them where no flag overrides."""
+    from dblock.weights import WeightsError, resolve_model_path
+    try:
+        folder = resolve_model_path(model)
+    except (WeightsError, TypeError):
+        return {}
+    return dict((read_card(folder) or {}).get("decoding") or {})
+
+
 def _public_command(reproduce: str, name: str) -> str:
     """The training command with the run's private output folder replaced by a placeholder."""
     return re.sub(r"--out \S+", f"--out runs/{name}", reproduce)

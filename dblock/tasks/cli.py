@@ -89,7 +89,8 @@ def add_parser(subparsers):
                               description="Train a tiny block-diffusion MoE model on the synthetic task (masked "
                                           "diffusion + BD3-LM block-causal training for llada2_moe). Writes "
                                           "DIR/train_state.pt checkpoints and, at the end, the HF folder DIR.")
-    t.add_argument("--family", required=True, choices=["llada2_moe", "diffusion_gemma"], help="model family")
+    t.add_argument("--family", choices=["llada2_moe", "diffusion_gemma"],
+                   help="model family (required; with --resume: the run's own)")
     t.add_argument("--out", required=True, help="output folder (checkpoints + final HF model folder)")
     t.add_argument("--minutes", type=float_arg(0.0, 100_000.0, lo_open=True), default=None,
                    help="wall budget: the total number of steps is fixed from the speed of the first steps")
@@ -195,12 +196,29 @@ def add_parser(subparsers):
     c.set_defaults(_run=_card)
 
 
+def _run_family(out: str) -> str:
+    """The family of the run in OUT (its train_state.pt), for `--resume` without --family."""
+    import torch
+    path = os.path.join(out, "train_state.pt")
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume: {path} does not exist (nothing to resume; give --family to start a run)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return state["config"]["family"]
+    except Exception as e:  # noqa: BLE001 - a damaged state file is named, whatever the loader raised
+        raise ValueError(f"--resume: {path}: not a readable train state ({type(e).__name__})") from None
+
+
 def _train(args) -> int:
     from dblock.tasks.train import TrainConfig, train
 
     if args.steps is None and args.minutes is None and not args.resume:
         raise ValueError("give --steps S or --minutes N")
     check_out_dir(args.out, "--out")
+    if args.family is None:
+        if not args.resume:
+            raise ValueError("give --family llada2_moe or diffusion_gemma")
+        args.family = _run_family(args.out)
     make_task_from_args(args)  # validate the task before any compute
     if args.init_from and not args.resume:
         from dblock.weights import resolve_model_path

@@ -70,6 +70,8 @@ def test_eval_cli_json(capsys):
     (["eval", "--model", "no-such-model"], "no such model folder"),
     (["train-tiny", "--family", "llada2_moe", "--out", "/tmp/dblock-unused"], "--steps S or --minutes N"),
     (["train-tiny", "--family", "llada2_moe", "--out", "/tmp/dblock-unused", "--steps", "0"], "must be positive"),
+    (["train-tiny", "--out", "/tmp/dblock-unused", "--steps", "2"], "give --family"),
+    (["train-tiny", "--out", "/tmp/dblock-unused-x", "--resume"], "nothing to resume"),
 ])
 def test_cli_errors_one_line(capsys, argv, needle):
     rc, out, err = run(capsys, *argv)

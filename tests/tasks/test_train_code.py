@@ -52,7 +52,9 @@ def test_resumed_code_run_equals_the_uninterrupted_one_and_bf16_export(tmp_path)
     part = code_cfg(tmp_path / "b", steps=6, save_every=2, tokenizer=None, vocab_size=2048)
     part.tokenizer = TOKENIZER
     train(part, stop_after=3, log=lambda *a: None)
-    train(code_cfg(tmp_path / "b", save_dtype="bfloat16"), resume=True, log=lambda *a: None)
+    from dblock.cli import main            # resumed from the command line, the family read from the run itself
+    assert main(["train-tiny", "--resume", "--out", str(tmp_path / "b"), "--save-dtype", "bfloat16",
+                 "--no-progress"]) == 0
     a, b = dblock.load(str(tmp_path / "a")), dblock.load(str(tmp_path / "b"))
     assert next(b.parameters()).dtype == torch.float32            # stored bf16, computed in fp32 (config.json)
     assert json.load(open(tmp_path / "b" / "config.json"))["torch_dtype"] == "float32"
