@@ -29,6 +29,12 @@ OPTIONAL = {
     "dblock.serving.metrics": "prometheus_client",
     "dblock.serving.protocol": "pydantic",
     "dblock.serving.chat": "jinja2",
+    **{f"dblock.serving.{m}": "pydantic" for m in ("protocol_base", "protocol_chat", "protocol_completion",
+                                                   "protocol_models", "protocol_prompt", "protocol_sampling",
+                                                   "protocol_tokenize")},
+    **{f"dblock.serving.{m}": "fastapi" for m in ("launcher", "receiving", "responses", "streaming",
+                                                  "serving_chat", "serving_completion", "serving_engine",
+                                                  "serving_models", "serving_tokenization")},
 }
 
 

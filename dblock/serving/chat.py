@@ -21,7 +21,7 @@ conversation: 400 naming `messages`) and `strftime_now(format)`. Variables: `mes
 Special tokens in messages: the template's own control tokens (the `<eos>` it writes after an assistant turn, a
 BOS, role markers) are real control tokens, since the rendered text is tokenized with special tokens recognised.
 Message text is the client's, though, and must not smuggle control tokens in: unless the request opts in with
-`"allow_special_tokens": true`, the server (`server.py`) refuses, with a 400 naming the field
+`"allow_special_tokens": true`, the server (`serving_chat.py`) refuses, with a 400 naming the field
 (`messages[0].content`) and the spelling, any message string or `chat_template_kwargs` string that holds the spelling
 of one of the tokenizer's special tokens (`find_special_text`). vLLM renders and tokenizes the same way, without
 this check; refusing such text (rather than re-encoding it as plain characters) keeps the rendered prompt exactly
