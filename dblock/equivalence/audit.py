@@ -64,7 +64,8 @@ class AuditedEpochExecutor(EpochExecutor):
             in_plan = R.plan[c.idx_F] == p
             lp = plan.layer(li)
             sup = lp.support
-            chosen = c.ids_FK[in_plan]
+            opened = c.open_F[in_plan] if c.open_F is not None else torch.zeros(int(in_plan.sum()), dtype=torch.bool)
+            chosen = c.ids_FK[in_plan][~opened]          # rows the per-token fail-closed opened may leave S_l
             dense = c.dense or R.dense_P[p]              # the block took the dense path
             plain = self.routes_plain(c, p)              # routed with every expert (dense, or building its support)
             outside = 0 if sup is None or plain else int((~sup[chosen.clamp(min=0)] & (chosen >= 0)).sum())
@@ -80,6 +81,7 @@ class AuditedEpochExecutor(EpochExecutor):
                 "support": None if sup is None else sup.nonzero(as_tuple=True)[0].tolist(),
                 "support_ok": lp.support_ok, "under": lp.under,
                 "routed_outside_support": outside, "refresh": self.ecfg.refresh,
+                "opened": int(opened.sum()),
                 "built_at": lp.built_at, "alpha": self.ap.alpha, "q": self.ap.q,
             })
 

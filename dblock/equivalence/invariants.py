@@ -18,7 +18,9 @@ Invariant names (stable: they appear in `dblock verify` output and exit reasons)
   coverage           a support build that reports success has |U_l| <= (1 - q) N (the shadow also recomputes |U_l|
                      independently from the layer's MoE input)
   fail-closed        a failed support build leaves the layer on all experts
-  support-routing    routing never picks an expert outside the layer's support
+  support-routing    routing never picks an expert outside the layer's support (except a hot-pass row whose own
+                     coverage fell below alpha: the per-token fail-closed routes it with every expert, counted
+                     in the record's `opened`)
   lm-head            the LM head runs for every live row (the executor returns exactly one logits row per live row)
 """
 from __future__ import annotations

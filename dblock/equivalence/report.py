@@ -173,7 +173,8 @@ def coverage_section(executor, shadow=None) -> dict:
                        "support_mean": sum(sup) / len(sup) if sup else None, "support_min": min(sup, default=None),
                        "support_max": max(sup, default=None),
                        "recomputed_under_max": max(recheck[li], default=None), "recomputed": len(recheck[li])})
-    return {"available": True, "atlas": getattr(executor.ecfg, "atlas", None), "experts": E,
+    hot = dict(getattr(executor, "atlas_hot", None) or {})
+    return {"available": True, "atlas": getattr(executor.ecfg, "atlas", None), "experts": E, "hot": hot,
             "alpha": getattr(ap, "alpha", None), "q": getattr(ap, "q", None), "B": getattr(ap, "B", None),
             "m": getattr(ap, "m", None), "c": getattr(ap, "c", None), "update_every": getattr(ap, "update_every", None),
             "routed_outside_support": outside, "layers": layers}
@@ -261,6 +262,12 @@ def format_section(sec: dict, title: str, limit: int = 20) -> list:
                  f"routed outside support {cov['routed_outside_support']}"
                  + ("  [B >= E: every support starts as all experts, the Atlas is inert on this model]"
                     if cov["B"] is not None and cov["B"] >= cov["experts"] else ""))
+        h = cov.get("hot") or {}
+        if h.get("rows"):
+            L.append(f"  hot passes: {h['rows']} fresh rows routed within a support, {h['under']} "
+                     f"({h['under'] / h['rows']:.2%}) under-covered (C_t < alpha R_t) and routed with every expert; "
+                     f"quota (1-q)N met on {h['calls_within_quota']} of {h['calls']} (layer, block) calls "
+                     f"({h['calls_within_quota'] / max(h['calls'], 1):.2%})")
         for ly in cov["layers"]:
             L.append(f"  layer {ly['layer']}: builds {ly['builds']} ok {ly['success']} failed-closed "
                      f"{ly['failed_closed']}  |U_l| max {_num(ly['under_max'])} "

@@ -41,7 +41,7 @@ def make_optimized(model, executor: str, config: str, epoch_kw: dict, faults: Se
 def probe_decode(dec: DecodeConfig, block_size: int) -> DecodeConfig:
     """Fixed-k, one position per pass: blocks last C passes."""
     C = dec.block_size or block_size
-    return dec.replace(rule="fixed-k", steps=C, max_new_tokens=min(dec.max_new_tokens, 2 * C))
+    return dec.replace(rule="fixed-k", steps=C, max_new_tokens=min(dec.max_new_tokens, 2 * C), threshold_steps=None)
 
 
 def _fault_exercise(faults, main, probe) -> dict:

@@ -74,7 +74,7 @@ from typing import Any, Optional
 import torch
 
 from dblock.forward import Forward, StepInput
-from dblock.optimized.atlas import build_supports, candidates, route_restricted
+from dblock.optimized.atlas import build_supports, candidates, choose, route_restricted, router_scores
 from dblock.optimized.freshlane import CommStats, LocalDispatcher, grouped_swiglu_torch, moe_buffer_bytes
 from dblock.optimized.liveness import EMPTY, CacheArena, PassPlan, plan_passes
 from dblock.optimized.plan import BlockPlan, EpochConfig, PathModel
@@ -200,6 +200,7 @@ class LayerCall:
     routed_rows: int = 0                          # router-logit rows computed (the fresh rows)
     ids_FK: Optional[torch.Tensor] = None         # routed experts of the fresh rows (-1 = none) (_route)
     w_FK: Optional[torch.Tensor] = None           # their routing weights
+    open_F: Optional[torch.Tensor] = None         # fresh rows the per-token fail-closed routed with every expert
     y_FH: Optional[torch.Tensor] = None           # MoE output of the fresh rows (_run_experts, _add_shared)
     comm: Any = None                              # what the dispatcher moved (CommStats / EPStats)
     y_TH: Optional[torch.Tensor] = None           # MoE output of every row (_scatter, _serve_cached)
@@ -228,6 +229,7 @@ class EpochExecutor(Forward):
         self.arena = None                        # CacheArena, made on the first denoising call (dtype, device)
         self.totals = Counter()                  # paths and fallbacks over the executor's life
         self.pass_paths = Counter()              # calls per path (epoch / dense, docs/algorithms.md §4.1)
+        self.atlas_hot = Counter()               # per-token fail-closed on hot passes (`_cover_fresh`)
         self._age_hist = Counter()               # cache ages at read (folded from _ages when read)
         self._ages: list = []                    # age tensors of reads not yet folded into the histogram
         self._last: Any = {}                     # the last pass's statistics (built when first read)
@@ -277,7 +279,8 @@ class EpochExecutor(Forward):
 
     def stats(self) -> dict:
         return {"paths": dict(self.totals), "pass_paths": dict(self.pass_paths),
-                "cache_age_hist": dict(sorted(self.age_hist.items())), "open_plans": len(self.plans)}
+                "cache_age_hist": dict(sorted(self.age_hist.items())), "open_plans": len(self.plans),
+                "atlas_hot": dict(self.atlas_hot)}
 
     def last_pass_stats(self) -> dict:
         if callable(self._last):
@@ -566,7 +569,43 @@ class EpochExecutor(Forward):
         that builds its support this pass (all its rows fresh) routes with every expert, as on the dense path: its
         first K candidates are then the ids chosen here. The plain router when no block of the call restricts it."""
         allowed_FE = None if c.dense else self._allowed(c.li, c.R, c.idx_F, c.x_TH.device, plain=set(c.build))
+        if allowed_FE is not None:
+            allowed_FE = self._cover_fresh(c, allowed_FE)
         c.ids_FK, c.w_FK = self._route_rows(c.moe, c.logits_FE, allowed_FE)
+
+    def _cover_fresh(self, c: LayerCall, allowed_FE: torch.Tensor) -> torch.Tensor:
+        """Per-token fail-closed on hot passes (docs/algorithms.md §4.2): a fresh row whose own dense top-K routing
+        mass the support covers less than α (C_t < α·R_t at this pass's scores) routes with every expert. A support
+        is built from the rows of an all-fresh pass; a row decoded since (its token no longer MASK) can want
+        experts the build never saw, and forcing it into S changed its MoE output by more than any decision margin
+        on the bundled code-masked. Counted in `stats()["atlas_hot"]`: rows routed within a support, those
+        under-covered, and (layer, block) calls whose under-covered rows stay within the quota (1 − q)·N."""
+        restricted_F = ~allowed_FE.all(1)
+        if not bool(restricted_F.any()):
+            return allowed_FE
+        w, b = router_scores(c.logits_FE, c.moe.expert_bias, self.config)
+        I = choose(b, self.config, finite=True).indices              # the dense top-K choice, as `candidates`
+        W = w.gather(1, I)
+        R = W.sum(-1)
+        C = (W * allowed_FE.gather(1, I).to(W.dtype)).sum(-1)
+        under_F = restricted_F & (C < self.ap.alpha * R - 1e-9)
+        n_under = int(under_F.sum())
+        plan_F = c.R.plan[c.idx_F.cpu()]
+        P = len(c.R.plans)
+        rows_P = torch.bincount(plan_F[restricted_F.cpu()], minlength=P)
+        under_P = torch.bincount(plan_F[under_F.cpu()], minlength=P)
+        n_P = torch.tensor(c.R.plan_rows.lens, dtype=torch.float64)
+        calls = rows_P > 0
+        h = self.atlas_hot
+        h["rows"] += int(restricted_F.sum())
+        h["under"] += n_under
+        h["calls"] += int(calls.sum())
+        h["calls_within_quota"] += int((calls & (under_P.double() <= (1 - self.ap.q) * n_P)).sum())
+        c.open_F = under_F
+        if n_under:
+            allowed_FE = allowed_FE.clone()
+            allowed_FE[under_F] = True
+        return allowed_FE
 
     def routes_plain(self, c: LayerCall, p: int) -> bool:
         """Whether plan p's fresh rows were routed with every expert in this call (`_route`): the call or the block

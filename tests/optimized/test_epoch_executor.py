@@ -291,3 +291,38 @@ def test_a_building_block_routes_with_every_expert_and_its_candidates_are_that_c
                 and a["built_at"] < a["plan_pass"]:
             seen["restricted"] += 1
     assert seen["restricted"] > 0, "no pass routed within a real support: the test would prove nothing"
+
+
+def test_a_hot_row_its_support_does_not_cover_is_routed_with_every_expert():
+    """Per-token fail-closed (docs/algorithms.md §4.2): on a hot pass a fresh row whose own dense top-K mass the
+    support covers less than alpha routes with every expert; a covered row stays inside the support. Small supports
+    (B = K) so that both happen; the audit's support-routing invariant counts only the rows left inside."""
+    from dblock.equivalence.invariants import check_executor
+    from dblock.optimized.atlas import candidates
+    m = make_tiny_model("llada2_moe", seed=6, num_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2)
+    f = audited_epoch_forward(m, "epoch", atlas_B=2, refresh=4, path="epoch")
+    ex = f
+    seen = {"open": 0, "kept": 0}
+    real = type(ex)._cover_fresh
+
+    def checked(self, c, allowed):
+        out = real(self, c, allowed)
+        W, I, R = candidates(c.logits_FE, c.moe.expert_bias, self.config, 0)
+        cover = (W * allowed.gather(1, I).to(W.dtype)).sum(-1)
+        restricted = ~allowed.all(1)
+        opened = restricted & out.all(1)
+        assert torch.equal(opened, restricted & (cover < self.ap.alpha * R - 1e-9))
+        assert torch.equal(out[restricted & ~opened], allowed[restricted & ~opened])
+        seen["open"] += int(opened.sum())
+        seen["kept"] += int((restricted & ~opened).sum())
+        return out
+    type(ex)._cover_fresh = checked
+    try:
+        generate(f, prompts(4, seed=2), DecodeConfig(max_new_tokens=32, rule="fixed-k", steps=16))
+    finally:
+        type(ex)._cover_fresh = real
+    assert seen["open"] > 0 and seen["kept"] > 0, seen
+    h = ex.stats()["atlas_hot"]
+    assert h["under"] == seen["open"] and h["rows"] == seen["open"] + seen["kept"]
+    assert all(a["routed_outside_support"] == 0 for a in ex.audit) and sum(a["opened"] for a in ex.audit) > 0
+    assert not [v for v in check_executor(ex) if v.invariant == "support-routing"]
