@@ -569,26 +569,25 @@ class EpochExecutor(Forward):
         that builds its support this pass (all its rows fresh) routes with every expert, as on the dense path: its
         first K candidates are then the ids chosen here. The plain router when no block of the call restricts it."""
         allowed_FE = None if c.dense else self._allowed(c.li, c.R, c.idx_F, c.x_TH.device, plain=set(c.build))
-        if allowed_FE is not None:
-            allowed_FE = self._cover_fresh(c, allowed_FE)
         c.ids_FK, c.w_FK = self._route_rows(c.moe, c.logits_FE, allowed_FE)
+        if allowed_FE is not None:
+            c.ids_FK, c.w_FK = self._cover_fresh(c, allowed_FE, c.ids_FK, c.w_FK)
 
-    def _cover_fresh(self, c: LayerCall, allowed_FE: torch.Tensor) -> torch.Tensor:
-        """Per-token fail-closed on hot passes (docs/algorithms.md §4.2): a fresh row whose own dense top-K routing
-        mass the support covers less than α (C_t < α·R_t at this pass's scores) routes with every expert. A support
-        is built from the rows of an all-fresh pass; a row decoded since (its token no longer MASK) can want
-        experts the build never saw, and forcing it into S changed its MoE output by more than any decision margin
-        on the bundled code-masked. Counted in `stats()["atlas_hot"]`: rows routed within a support, those
-        under-covered, and (layer, block) calls whose under-covered rows stay within the quota (1 − q)·N."""
+    def _cover_fresh(self, c: LayerCall, allowed_FE: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.Tensor):
+        """Per-token fail-closed on hot passes (docs/algorithms.md §4.2): a fresh row whose support-restricted
+        choice keeps less than α of its own dense top-K routing mass (at this pass's scores) is routed again with
+        every expert. A support is built from the rows of an all-fresh pass; a row decoded since (its token no
+        longer MASK) can want experts the build never saw, and a restriction applied before group scoring can also
+        deselect a group that holds one of its top-K. Counted in `stats()["atlas_hot"]`: rows routed within a
+        support, those opened, and the (layer, block) calls whose opened rows stay within the quota (1 − q)·N."""
         restricted_F = ~allowed_FE.all(1)
         if not bool(restricted_F.any()):
-            return allowed_FE
+            return ids_FK, w_FK
         w, b = router_scores(c.logits_FE, c.moe.expert_bias, self.config)
         I = choose(b, self.config, finite=True).indices              # the dense top-K choice, as `candidates`
         W = w.gather(1, I)
-        R = W.sum(-1)
-        C = (W * allowed_FE.gather(1, I).to(W.dtype)).sum(-1)
-        under_F = restricted_F & (C < self.ap.alpha * R - 1e-9)
+        kept = (I.unsqueeze(2) == ids_FK.unsqueeze(1)).any(2)         # dense choices the restricted choice kept
+        under_F = restricted_F & ((W * kept.to(W.dtype)).sum(-1) < self.ap.alpha * W.sum(-1) - 1e-9)
         n_under = int(under_F.sum())
         plan_F = c.R.plan[c.idx_F.cpu()]
         P = len(c.R.plans)
@@ -603,9 +602,10 @@ class EpochExecutor(Forward):
         h["calls_within_quota"] += int((calls & (under_P.double() <= (1 - self.ap.q) * n_P)).sum())
         c.open_F = under_F
         if n_under:
-            allowed_FE = allowed_FE.clone()
-            allowed_FE[under_F] = True
-        return allowed_FE
+            ids_U, w_U = self._route_rows(c.moe, c.logits_FE[under_F], None)
+            ids_FK, w_FK = ids_FK.clone(), w_FK.clone()
+            ids_FK[under_F], w_FK[under_F] = ids_U.to(ids_FK.dtype), w_U.to(w_FK.dtype)
+        return ids_FK, w_FK
 
     def routes_plain(self, c: LayerCall, p: int) -> bool:
         """Whether plan p's fresh rows were routed with every expert in this call (`_route`): the call or the block

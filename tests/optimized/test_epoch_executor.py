@@ -294,31 +294,33 @@ def test_a_building_block_routes_with_every_expert_and_its_candidates_are_that_c
 
 
 def test_a_hot_row_its_support_does_not_cover_is_routed_with_every_expert():
-    """Per-token fail-closed (docs/algorithms.md §4.2): on a hot pass a fresh row whose own dense top-K mass the
-    support covers less than alpha routes with every expert; a covered row stays inside the support. Small supports
-    (B = K) so that both happen; the audit's support-routing invariant counts only the rows left inside."""
+    """Per-token fail-closed (docs/algorithms.md §4.2): on a hot pass a fresh row whose support-restricted choice
+    keeps less than alpha of its own dense top-K mass is routed with every expert (the plain router's ids); the other
+    rows keep their restricted choice, inside the support. Small supports (B = K) so that both happen; the audit's
+    support-routing invariant counts only the rows left inside."""
     from dblock.equivalence.invariants import check_executor
-    from dblock.optimized.atlas import candidates
+    from dblock.optimized.atlas import candidates, route_restricted
     m = make_tiny_model("llada2_moe", seed=6, num_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2)
-    f = audited_epoch_forward(m, "epoch", atlas_B=2, refresh=4, path="epoch")
-    ex = f
+    ex = audited_epoch_forward(m, "epoch", atlas_B=2, refresh=4, path="epoch")
     seen = {"open": 0, "kept": 0}
     real = type(ex)._cover_fresh
 
-    def checked(self, c, allowed):
-        out = real(self, c, allowed)
+    def checked(self, c, allowed, ids, w):
+        out_ids, out_w = real(self, c, allowed, ids, w)
         W, I, R = candidates(c.logits_FE, c.moe.expert_bias, self.config, 0)
-        cover = (W * allowed.gather(1, I).to(W.dtype)).sum(-1)
+        kept_mass = (W * (I.unsqueeze(2) == ids.unsqueeze(1)).any(2).to(W.dtype)).sum(-1)
         restricted = ~allowed.all(1)
-        opened = restricted & out.all(1)
-        assert torch.equal(opened, restricted & (cover < self.ap.alpha * R - 1e-9))
-        assert torch.equal(out[restricted & ~opened], allowed[restricted & ~opened])
+        opened = restricted & (kept_mass < self.ap.alpha * R - 1e-9)
+        assert torch.equal(opened, c.open_F)
+        plain_ids, plain_w = route_restricted(c.logits_FE, c.moe.expert_bias, self.config)
+        assert torch.equal(out_ids[opened], plain_ids[opened]) and torch.equal(out_w[opened], plain_w[opened])
+        assert torch.equal(out_ids[~opened], ids[~opened])
         seen["open"] += int(opened.sum())
         seen["kept"] += int((restricted & ~opened).sum())
-        return out
+        return out_ids, out_w
     type(ex)._cover_fresh = checked
     try:
-        generate(f, prompts(4, seed=2), DecodeConfig(max_new_tokens=32, rule="fixed-k", steps=16))
+        generate(ex, prompts(4, seed=2), DecodeConfig(max_new_tokens=32, rule="fixed-k", steps=16))
     finally:
         type(ex)._cover_fresh = real
     assert seen["open"] > 0 and seen["kept"] > 0, seen
