@@ -90,7 +90,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
     from dblock.optimized.executor import epoch_forward
     from dblock.simulator import measure
     from dblock.tasks import answer_text, get_task
-    from dblock.tasks.card import task_of
+    from dblock.tasks.card import decoding_of, task_of
     from dblock.tasks.evaluate import TokenizerAdapter
 
     from tqdm import tqdm
@@ -120,8 +120,9 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
             key = (executor, _label(schedule, extra))
             if executor not in fwds:
                 fwds[executor] = reference_forward(model) if executor == "reference" else epoch_forward(model, econf)
+            card_dec = {} if family == "diffusion_gemma" else decoding_of(name)   # code-masked: LLaDA2.0's S
             dec = DecodeConfig(max_new_tokens=max_new, rule="entropy-bound" if family == "diffusion_gemma" else
-                               "threshold", **extra)
+                               "threshold", **{**card_dec, **extra})
             # the baseline's pass on the same rows is timed only where the batch compositions differ (a uniform-state
             # schedule changes passes per block); elsewhere both runs batch the same requests alike and β = 1
             shadow = "strip" if schedule in ("oba", "flowblock") and family == "diffusion_gemma" else None

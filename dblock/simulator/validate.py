@@ -183,8 +183,10 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
     prompts = [tok.encode(e.prompt) for e in task.examples("test", plan.n)]
     C = m.config.block_size
     max_new = task_max_new(plan, task)
-    dec = DecodeConfig(max_new_tokens=max_new, seed=plan.seed)
-    dec_nc = DecodeConfig(max_new_tokens=max_new, seed=plan.seed, no_cache=True)
+    from dblock.tasks.card import decoding_of
+    card_dec = decoding_of(getattr(m, "source", None) or plan.model)      # code-masked: LLaDA2.0's steps S
+    dec = DecodeConfig(max_new_tokens=max_new, seed=plan.seed, **card_dec)
+    dec_nc = DecodeConfig(max_new_tokens=max_new, seed=plan.seed, no_cache=True, **card_dec)
     fw = {"reference": forward("reference")}
     if plan.epoch:
         fw["epoch"] = forward("epoch")

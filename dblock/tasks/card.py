@@ -287,8 +287,19 @@ def _atlas_text(card: dict) -> str:
   mean [min, max]: {per}
 - rows routed outside their support: {a['routed_outside_support']}; decision agreement with the reference shadow
   {100 * a['decision_agreement']:.2f}%; identical outputs end to end {same}/{reqs}
-
+{_hot_text(a)}
 """
+
+
+def _hot_text(a: dict) -> str:
+    h = a.get("hot") or {}
+    if not h.get("rows"):
+        return ""
+    return (f"- hot passes: {h['rows']} fresh rows routed within a support; {h['under']} "
+            f"(**{100 * h['under'] / h['rows']:.1f}%**) kept less than α of their own top-K mass and were routed "
+            f"with every expert (per-token fail-closed, docs/algorithms.md §4.2); the quota (1 − q)·N held on "
+            f"**{100 * h['calls_within_quota'] / max(h['calls'], 1):.1f}%** of {h['calls']} (layer, block) hot "
+            f"calls\n")
 
 
 def _schedules_text(card: dict) -> str:
@@ -369,16 +380,43 @@ assistant.
 |---|---|---|
 {curve}
 
-## Evaluation (held-out split, reference executor, the family's default decoding: block {card['block_size']}, \
-{e['decode']['rule']}{f" τ = {e['decode']['threshold']}" if e['decode']['rule'] == 'threshold' else ''}, \
+## Evaluation (held-out split, reference executor, the card's default decoding: block {card['block_size']}, \
+{e['decode']['rule']}{f" τ = {e['decode']['threshold']}" if e['decode']['rule'] == 'threshold' else ''}\
+{f", LLaDA2.0's steps S = {e['decode']['threshold_steps']}" if e['decode'].get('threshold_steps') else ''}, \
 {e['decode']['max_new_tokens']} new tokens)
 
     {card['eval_command']}
 
 {_code_eval_lines(e)}
 
-{_schedules_text(card)}{_schedules_table(card)}{_atlas_text(card)}`card.json` holds these numbers; `tests/tasks/test_model_cards.py` re-runs the evaluation commands and checks them.
+{_alone_text(card)}{_schedules_text(card)}{_schedules_table(card)}{_atlas_text(card)}`card.json` holds these numbers; `tests/tasks/test_model_cards.py` re-runs the evaluation commands and checks them.
 """
+
+
+def _alone_text(card: dict) -> str:
+    """The threshold rule alone beside the card's default (LLaDA2.0's steps S over it), and why S is the default."""
+    a = card.get("eval_threshold_alone")
+    if not a:
+        return ""
+    S, d = card["decoding"]["threshold_steps"], card["eval"]
+    C = card["block_size"]
+    m, ma = d.get("metrics", {}), a.get("metrics", {})
+
+    def q(mm, k):
+        x = mm.get(k)
+        return f"{x['mean']:.3f} [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}]" if x else "-"
+    overlap = all(k in m and k in ma and m[k]["ci"][0] <= ma[k]["ci"][1] and ma[k]["ci"][0] <= m[k]["ci"][1]
+                  for k in ("token_accuracy", "next_line_exact"))
+    return (f"**Why S = {S}.** `card.json[\"decoding\"]` sets LLaDA2.0's steps S = {S} over τ: each pass commits the "
+            f"positions above τ and at least {C // S} of the block (the most confident), so a block lives at most "
+            f"{S} passes. Every dblock command applies it to this model unless a flag says otherwise "
+            f"(`--threshold-steps 0`: τ alone). The reason is this model's confidence: trained for a few CPU hours, "
+            f"it rarely puts 0.95 on a token, and with τ alone a block lives "
+            f"{a['passes_per_block_mean']:.1f} passes (TPF {a['TPF']:.2f}) against "
+            f"{d['passes_per_block_mean']:.1f} (TPF {d['TPF']:.2f}) with S = {S}, "
+            f"{'at the same quality within the CIs' if overlap else 'and the quality differs beyond the CIs'} "
+            f"(token accuracy {q(ma, 'token_accuracy')} alone, {q(m, 'token_accuracy')} with S; next line exact "
+            f"{q(ma, 'next_line_exact')} and {q(m, 'next_line_exact')}):\n\n    {a['command']}\n\n")
 
 
 def _weak_note(e: dict) -> str:
@@ -467,7 +505,7 @@ def atlas_summary(rep: dict, command: str) -> dict:
             "layers": [{k: ly[k] for k in ("layer", "builds", "success", "support_mean", "support_min",
                                            "support_max")} for ly in layers],
             "routed_outside_support": cov.get("routed_outside_support"),
-            "decision_agreement": rep["main"]["decisions"]["agreement"],
+            "decision_agreement": rep["main"]["decisions"]["agreement"], "hot": cov.get("hot") or {},
             "identical_outputs": [e2e.get("identical"), e2e.get("requests")]}
 
 
@@ -482,7 +520,7 @@ def write_card(folder: str, card: dict) -> None:
 
 def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: Callable[[str], dict],
               name: Optional[str] = None, also_schedules=(), notes=(), schedules_n: int = 0,
-              schedules_batch: int = 16) -> dict:
+              schedules_batch: int = 16, threshold_steps: Optional[int] = None) -> dict:
     """Evaluate `model` with `run_eval("dblock eval ...")` (the CLI's in-process runner) and write its card and
     loss_curve.png. `summary_paths`: one train_summary.json, or one per stage of the recipe in order."""
     from dblock.tasks import base_task
@@ -511,24 +549,38 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
         raise ValueError(f"--task {task}: the model was trained on {last['task']!r} (a card evaluates the training "
                          f"task or the same task with other kind weights, e.g. {base_task(last['task'])!r})")
     name = name or os.path.basename(os.path.normpath(folder))
-    r = run_eval(f"dblock eval --model {folder} --task {task} --n {n}")
+    # the card's decoding, spelled out on the private commands (card.json, which carries it, is written last)
+    dflag = f" --threshold-steps {threshold_steps}" if threshold_steps else " --threshold-steps 0"
+    r = run_eval(f"dblock eval --model {folder} --task {task} --n {n}{dflag}")
     extra = {}
     for sched in also_schedules:
         public = f"dblock eval --model {name} --task {task} --n {n} --schedule {sched}"
-        extra[sched] = (public, run_eval(f"dblock eval --model {folder} --task {task} --n {n} --schedule {sched}"))
+        extra[sched] = (public, run_eval(f"dblock eval --model {folder} --task {task} --n {n} --schedule {sched}"
+                                         f"{dflag}"))
     card = build_card(name, summaries, r, n, extra, eval_task=task)
+    if threshold_steps:
+        card["decoding"] = {"threshold_steps": threshold_steps}
+        alone = run_eval(f"dblock eval --model {folder} --task {task} --n {n} --threshold-steps 0")
+        card["eval_threshold_alone"] = {"command": f"dblock eval --model {name} --task {task} --n {n} "
+                                                   "--threshold-steps 0",
+                                        **{k: alone[k] for k in ("TPF", "passes_per_block_mean", "metrics",
+                                                                 "accuracy") if k in alone}}
     with open(os.path.join(folder, "config.json")) as f:
         card["vocab_size"] = json.load(f).get("vocab_size")
-    sub = run_eval(f"dblock eval --model {folder} --task {task} --n {SUBSET_N}")
+    sub = run_eval(f"dblock eval --model {folder} --task {task} --n {SUBSET_N}{dflag}")
     card["subset"] = {"command": f"dblock eval --model {name} --task {task} --n {SUBSET_N}", "n": SUBSET_N,
                       "accuracy": sub["accuracy"], "correct": [bool(q["correct"]) for q in sub["requests"]]}
+    if "metrics" in sub:                # the code task: per-request token accuracy and passes, and the means
+        card["subset"]["token_accuracy"] = [q["token_accuracy"] for q in sub["requests"]]
+        card["subset"]["passes"] = [q["passes"] for q in sub["requests"]]
+        card["subset"]["metrics"] = sub["metrics"]
     if schedules_n:
         cmd = (f"dblock compare-schedules --model {{}} --task {task} --n {schedules_n} --batch-size "
                f"{schedules_batch}")
-        card["schedules"] = schedules_summary(run_command(cmd.format(folder)), cmd.format(name))
+        card["schedules"] = schedules_summary(run_command(cmd.format(folder) + dflag), cmd.format(name))
     if base_task(task) == "code" and last["family"] == "llada2_moe":
         cmd = f"dblock verify --model {{}} --task {task} --n {SUBSET_N} --no-probe"
-        card["atlas"] = atlas_summary(run_command(cmd.format(folder)), cmd.format(name))
+        card["atlas"] = atlas_summary(run_command(cmd.format(folder) + dflag), cmd.format(name))
     if notes:
         card["notes"] = list(notes)
     plot_curve(summaries, os.path.join(folder, "loss_curve.png"))

@@ -193,6 +193,10 @@ def add_parser(subparsers):
                         "(default 0: no)")
     c.add_argument("--schedules-batch", type=int_arg(1, 4096), default=16,
                    help="the compare-schedules batch size (default 16)")
+    c.add_argument("--threshold-steps", type=int_arg(1, 4096), default=None, metavar="S",
+                   help="the model's default decoding: the threshold rule with LLaDA2.0's steps S (card.json "
+                        "`decoding`, which every command then applies to this model); the card also records the "
+                        "threshold rule alone beside it")
     c.set_defaults(_run=_card)
 
 
@@ -276,7 +280,7 @@ def _card(args) -> int:
             raise FileNotFoundError(f"--train-summary {path}: no such file")
     card = make_card(args.model, args.train_summary, args.task, args.n, run_eval_command, args.name,
                      also_schedules=args.also_schedule, notes=args.note, schedules_n=args.schedules_n,
-                     schedules_batch=args.schedules_batch)
+                     schedules_batch=args.schedules_batch, threshold_steps=args.threshold_steps)
     print(f"model-card: {card['name']}: accuracy {card['eval']['accuracy']:.3f} on {card['task']} "
           f"(n={args.n}); wrote MODEL_CARD.md and card.json")
     return 0
