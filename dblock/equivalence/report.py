@@ -267,7 +267,9 @@ def format_section(sec: dict, title: str, limit: int = 20) -> list:
             L.append(f"  hot passes: {h['rows']} fresh rows routed within a support, {h['under']} "
                      f"({h['under'] / h['rows']:.2%}) under-covered (C_t < alpha R_t) and routed with every expert; "
                      f"quota (1-q)N met on {h['calls_within_quota']} of {h['calls']} (layer, block) calls "
-                     f"({h['calls_within_quota'] / max(h['calls'], 1):.2%})")
+                     f"({h['calls_within_quota'] / max(h['calls'], 1):.2%}); mean support on those calls "
+                     f"{h.get('support_sum', 0) / max(h['calls'], 1):.1f} of E = {cov['experts']}, "
+                     f"{h.get('repaired_experts', 0)} experts added by hot repair")
         for ly in cov["layers"]:
             L.append(f"  layer {ly['layer']}: builds {ly['builds']} ok {ly['success']} failed-closed "
                      f"{ly['failed_closed']}  |U_l| max {_num(ly['under_max'])} "

@@ -596,16 +596,36 @@ class EpochExecutor(Forward):
         n_P = torch.tensor(c.R.plan_rows.lens, dtype=torch.float64)
         calls = rows_P > 0
         h = self.atlas_hot
+        for p in calls.nonzero(as_tuple=True)[0].tolist():        # the support each restricted block routed within
+            lp = c.R.plans[p].layer(c.li)
+            h["support_sum"] += lp.support_size if lp.support_size is not None else int(lp.support.sum())
         h["rows"] += int(restricted_F.sum())
         h["under"] += n_under
         h["calls"] += int(calls.sum())
         h["calls_within_quota"] += int((calls & (under_P.double() <= (1 - self.ap.q) * n_P)).sum())
         c.open_F = under_F
+        if n_under and self.ecfg.atlas_repair:
+            self._repair_supports(c, under_F, plan_F, I)
         if n_under:
             ids_U, w_U = self._route_rows(c.moe, c.logits_FE[under_F], None)
             ids_FK, w_FK = ids_FK.clone(), w_FK.clone()
             ids_FK[under_F], w_FK[under_F] = ids_U.to(ids_FK.dtype), w_U.to(w_FK.dtype)
         return ids_FK, w_FK
+
+    def _repair_supports(self, c: LayerCall, under_F: torch.Tensor, plan_F: torch.Tensor, I_FK: torch.Tensor):
+        """Hot repair: the dense top-K experts of the rows just opened join their block's support S_l, so that the
+        block's later hot passes cover them (a support only grows between builds; the next build starts over)."""
+        E = self.config.num_experts
+        for p in plan_F[under_F.cpu()].unique().tolist():
+            lp = c.R.plans[p].layer(c.li)
+            if lp.support is None:
+                continue
+            add = torch.zeros(E, dtype=torch.bool)
+            add[I_FK[under_F & (plan_F == p).to(under_F.device)].flatten().cpu()] = True
+            lp.support = lp.support | add
+            n0 = lp.support_size if lp.support_size is not None else int(lp.support.sum())
+            lp.support_size = int(lp.support.sum())
+            self.atlas_hot["repaired_experts"] += lp.support_size - n0
 
     def routes_plain(self, c: LayerCall, p: int) -> bool:
         """Whether plan p's fresh rows were routed with every expert in this call (`_route`): the call or the block
@@ -791,18 +811,21 @@ class EpochExecutor(Forward):
 
 def epoch_config(config: str = "epoch", refresh=None, atlas_alpha=None, atlas_q=None, update_every=None,
                  use_triton: bool = False, atlas_m=None, atlas_B=None, atlas_beta=None,
-                 atlas_c=None, path=None, path_model=None) -> EpochConfig:
+                 atlas_c=None, path=None, path_model=None, atlas_repair=None) -> EpochConfig:
     """The EpochConfig of a named configuration with the command line's knobs (None = default, see `AtlasParams`;
-    `path`: auto | epoch | dense, `path_model`: a measured `PathModel` for auto)."""
+    `path`: auto | epoch | dense, `path_model`: a measured `PathModel` for auto; `atlas_repair`: the hot repair of
+    `_repair_supports`, on by default)."""
     cfg = EpochConfig.named(config, refresh=refresh, alpha=atlas_alpha, q=atlas_q, update_every=update_every,
                             m=atlas_m, B=atlas_B, beta=atlas_beta, c=atlas_c, path=path, path_model=path_model)
     cfg.use_triton = use_triton
+    if atlas_repair is not None:
+        cfg.atlas_repair = bool(atlas_repair)
     return cfg
 
 
 def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, atlas_q=None, update_every=None,
                   use_triton: bool = False, dispatcher=None, atlas_m=None, atlas_B=None, atlas_beta=None,
-                  atlas_c=None, path=None, path_model=None) -> Forward:
+                  atlas_c=None, path=None, path_model=None, atlas_repair=None) -> Forward:
     """The optimized executor in one of its configurations over `model`'s weights (`dense` = the reference).
 
     Atlas knobs (None = default, see `AtlasParams`): alpha coverage floor, q covered-token quota, m extra
@@ -818,5 +841,5 @@ def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, 
         return reference_forward(model)
     cfg = epoch_config(config, refresh=refresh, atlas_alpha=atlas_alpha, atlas_q=atlas_q, update_every=update_every,
                        use_triton=use_triton, atlas_m=atlas_m, atlas_B=atlas_B, atlas_beta=atlas_beta,
-                       atlas_c=atlas_c, path=path, path_model=path_model)
+                       atlas_c=atlas_c, path=path, path_model=path_model, atlas_repair=atlas_repair)
     return EpochExecutor(model, cfg, dispatcher=dispatcher)

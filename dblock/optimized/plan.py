@@ -105,6 +105,7 @@ class EpochConfig:
 
     name: str = "epoch"
     atlas: bool = True               # restrict routing to a per-block expert support
+    atlas_repair: bool = True        # hot repair: opened rows' top-K experts join their block's support
     lsp: bool = True                 # serve stable decoded rows' routed outputs from the bounded-age cache
     refresh: int = 5                 # M_C: every M_C passes all rows go fresh (age bound M_C - 1)
     atlas_params: AtlasParams = field(default_factory=AtlasParams)

@@ -328,3 +328,23 @@ def test_a_hot_row_its_support_does_not_cover_is_routed_with_every_expert():
     assert h["under"] == seen["open"] and h["rows"] == seen["open"] + seen["kept"]
     assert all(a["routed_outside_support"] == 0 for a in ex.audit) and sum(a["opened"] for a in ex.audit) > 0
     assert not [v for v in check_executor(ex) if v.invariant == "support-routing"]
+
+
+@pytest.mark.parametrize("repair", [True, False])
+def test_hot_repair_grows_a_support_by_the_experts_of_its_opened_rows(repair):
+    """With the hot repair (the default) the dense top-K experts of rows opened on a hot pass join their block's
+    support until its next build, so later hot passes open fewer rows; without it the support stays as built."""
+    m = make_tiny_model("llada2_moe", seed=6, num_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2)
+    ex = audited_epoch_forward(m, "epoch", atlas_B=2, refresh=4, path="epoch", atlas_repair=repair)
+    generate(ex, prompts(4, seed=2), DecodeConfig(max_new_tokens=32, rule="fixed-k", steps=16))
+    h = ex.stats()["atlas_hot"]
+    assert h["under"] > 0
+    grown = 0
+    for a in ex.audit:                   # a hot record's support against its block's last build at that layer
+        if a["support"] is None or a["built_at"] == a["plan_pass"]:
+            continue
+        built = next(b for b in ex.audit if (b["request"], b["block"], b["layer"], b["plan_pass"]) ==
+                     (a["request"], a["block"], a["layer"], a["built_at"]))
+        assert set(built["support"] or range(16)) <= set(a["support"])
+        grown += len(a["support"]) > len(built["support"] or range(16))
+    assert (grown > 0 and h["repaired_experts"] > 0) if repair else (grown == 0 and not h.get("repaired_experts"))
