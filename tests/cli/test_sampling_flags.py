@@ -117,7 +117,7 @@ def test_diffusion_gemma_keeps_its_schedule_and_refuses_the_masked_sampler(capsy
     (["--stop-token-ids", "99"], "--stop-token-ids: token id 99 outside the vocabulary"),
     (["--stop", "ids:5,99"], "--stop: token id 99 outside the vocabulary"),
     (["--stop", "hello"], "--stop 'hello'"),
-    (["--threshold-steps", "0"], "--threshold-steps 0"),
+    (["--threshold-steps", "-1"], "--threshold-steps -1"),
     (["--rule", "fixed-k", "--threshold-steps", "4"], "--threshold-steps 4: the threshold rule's"),
     (["--mask-policy", "none"], "--mask-policy"),
 ])
