@@ -5,7 +5,8 @@
     res = dblock.generate(model, [[5, 6, 7]], dblock.DecodeConfig(max_new_tokens=64))
     res.tokens, res.summary()
 """
-from dblock.config import DecodeConfig, ModelConfig, load_config
+from dblock.config import ModelConfig, load_config
+from dblock.decoding.params import DecodeConfig
 from dblock.errors import ConfigError, WeightsError
 
 

@@ -388,7 +388,7 @@ def decode_config(args, family: str, tokenizer=None):
     DiffusionGemma. `tokenizer` (a loaded tokenizer, or the model folder / loaded model to read tokenizer.json from,
     only when needed) encodes text `--stop` sequences; `--n` (samples per prompt) is read where the command has it
     (`generate`: `args.samples`)."""
-    from dblock.config import DecodeConfig
+    from dblock.decoding.params import DecodeConfig
     from dblock.errors import ConfigError
     gemma = family == "diffusion_gemma"
     temp = getattr(args, "temperature", None)
@@ -552,8 +552,8 @@ def model_config(args):
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, block: int, family: str) -> int:
-    """Positions a request may ever occupy (`dblock.config.footprint`, the serving engine's admission rule)."""
-    from dblock.config import footprint
+    """Positions a request may ever occupy (`dblock.decoding.params.footprint`, the serving engine's admission rule)."""
+    from dblock.decoding.params import footprint
     return footprint(prompt_len, max_new_tokens, block, family)
 
 

@@ -54,7 +54,7 @@ def _bundled() -> list:
 
 def _random_demo(n, as_json) -> int:
     import dblock
-    from dblock.config import DecodeConfig
+    from dblock.decoding.params import DecodeConfig
     from dblock.tiny import make_tiny
 
     print("dblock demo: no trained model is bundled; decoding with a RANDOM tiny llada2_moe checkpoint "
@@ -85,7 +85,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
     if not bundled:
         return _random_demo(n, as_json)
     import dblock
-    from dblock.config import DecodeConfig
+    from dblock.decoding.params import DecodeConfig
     from dblock.decoding.generate import reference_forward
     from dblock.optimized.executor import epoch_forward
     from dblock.simulator import measure

@@ -367,8 +367,8 @@ class Profiler:
         """Host work of an iteration outside the executor calls, on the serving engine (`Engine.step`: the driver's
         `step_once` plus the engine's bookkeeping): `driver(requests)` per iteration with `requests` running, and
         `admit(requests)` the extra cost of the iteration that admits them (their `RequestRun`s are built)."""
-        from dblock.config import DecodeConfig
         from dblock.decoding.generate import reference_forward
+        from dblock.decoding.params import DecodeConfig
         from dblock.serving.engine import Engine, EngineConfig
         torch, C = self.torch, self.C
         fwd = _CallTimer(reference_forward(self.model), self.timer)

@@ -523,7 +523,7 @@ def eval_during_training(model, task, tok: CharTokenizer, cfg: TrainConfig, step
     family's default rule (threshold 0.95 for llada2_moe, entropy-bound seed 0 for diffusion_gemma; reference
     executor, native schedule), as `dblock eval` does. The training RNG state and mode are restored, so a run with
     evaluations has the same weights as one without."""
-    from dblock.config import DecodeConfig
+    from dblock.decoding.params import DecodeConfig
     from dblock.tasks.evaluate import evaluate
     rule = "entropy-bound" if cfg.family == "diffusion_gemma" else "threshold"
     rng = torch.get_rng_state()

@@ -75,8 +75,8 @@ def test_plot_merges_coincident_points_and_needs_native(tmp_path):
 def test_plot_from_measured_rows(tmp_path):
     """Rows as compare_schedules really computes them (tiny model), plotted."""
     from dblock.compare import compare_schedules
-    from dblock.config import DecodeConfig
     from dblock.decoding.generate import reference_forward
+    from dblock.decoding.params import DecodeConfig
     from dblock.tiny import make_tiny_model
     fwd = reference_forward(make_tiny_model("llada2_moe", seed=1))
     rows = compare_schedules(fwd, [[5, 6, 7], [9, 10, 11, 12]], DecodeConfig(max_new_tokens=16),

@@ -5,8 +5,8 @@ import pytest
 
 from dblock.cli import main
 from dblock.compare import compare_schedules, derive
-from dblock.config import DecodeConfig
 from dblock.decoding.generate import reference_forward
+from dblock.decoding.params import DecodeConfig
 from dblock.simulator.oba import fit_alpha
 from dblock.tiny import make_tiny_model
 

@@ -8,8 +8,8 @@ import inspect
 
 import pytest
 
-from dblock.config import DecodeConfig
 from dblock.decoding.generate import generate
+from dblock.decoding.params import DecodeConfig
 from dblock.equivalence import faults as fl
 from dblock.equivalence.audit import AuditedEpochExecutor, audited_epoch_forward, instrumented_executor
 from dblock.equivalence.report import FAULTS

@@ -3,7 +3,7 @@ violation; a healthy executor on the same workload must pass."""
 import pytest
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.equivalence import invariants as inv
 from dblock.equivalence.audit import AuditedEpochExecutor, audited_epoch_forward
 from dblock.equivalence.report import FAULTS

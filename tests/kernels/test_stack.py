@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dblock
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import Segment, StepInput
 from dblock.kernels.stack import TritonStages
 from dblock.optimized.executor import TorchStages, epoch_forward

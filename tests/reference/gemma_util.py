@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import Segment, StepInput, block_causal
 from dblock.reference.gemma_config import FULL, SLIDING
 from dblock.reference.gemma_executor import GemmaReference

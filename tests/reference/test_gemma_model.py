@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dblock
-from dblock.config import ConfigError, DecodeConfig, load_config
+from dblock.config import ConfigError, load_config
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import StepInput, block_causal
 from dblock.reference.gemma_config import FULL, SLIDING, GemmaConfig
 from dblock.reference.gemma_executor import GemmaReference

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import Forward
 
 DEC = DecodeConfig(max_new_tokens=16)

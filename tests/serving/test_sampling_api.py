@@ -10,8 +10,7 @@ import threading
 import httpx
 import pytest
 
-from dblock.config import DecodeConfig
-from dblock.decoding.params import SamplingParams
+from dblock.decoding.params import DecodeConfig, SamplingParams
 
 from .conftest import make_forward, offline, running_server
 

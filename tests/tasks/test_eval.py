@@ -5,7 +5,7 @@ import pytest
 
 import dblock
 from dblock.cli import main
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.tasks import CharTokenizer, get_task
 from dblock.tasks.evaluate import TokenizerAdapter, evaluate
 from dblock.weights import resolve_model_path
