@@ -19,11 +19,11 @@ import json
 import os
 import sys
 
-from dblock import schedules_cli
 from dblock.cli_args import (ArgumentParser, add_batch_size_arg, add_decode_args, add_executor_args,  # noqa: F401
                              add_model_args, add_special_tokens_arg, check_fits, check_out_dir, check_out_file,
                              decode_config, encode_texts, int_arg, is_rank0, load_model, load_tokenizer, make_forward,
                              model_config, parse_ids, prepare_triton, schedule_from_args, seed_arg, under_torchrun)
+from dblock.decoding import cli as decoding_cli
 from dblock.equivalence import cli as equivalence_cli
 from dblock.errors import DblockError
 from dblock.serving import cli as serving_cli
@@ -31,7 +31,7 @@ from dblock.simulator import cli as simulator_cli
 from dblock.tasks import cli as tasks_cli
 
 #: rooms whose commands follow this module's own, in `dblock --help` order
-ROOM_CLIS = (simulator_cli, tasks_cli, equivalence_cli, serving_cli, schedules_cli)
+ROOM_CLIS = (simulator_cli, tasks_cli, equivalence_cli, serving_cli, decoding_cli)
 
 #: besides `DblockError`, the exceptions whose message is meant for the user (`dblock: error: ...`)
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)

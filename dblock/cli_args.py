@@ -1,7 +1,7 @@
 """Option groups and helpers every `dblock` command shares: `--model`, the decoding flags, the executor flags, and
 the helpers that turn parsed arguments into a decode config, a loaded model and a forward.
 
-`dblock.cli` builds the command tree; each room's cli module (`dblock/<room>/cli.py`, `dblock/schedules_cli.py`)
+`dblock.cli` builds the command tree; each room's cli module (`dblock/<room>/cli.py`)
 imports its option groups from here, never from `dblock.cli`, so the tree has no import cycle. Nothing heavy at
 import (argparse, math, os and sys only): `dblock --help` and `dblock <command> --help` import no torch. Model,
 torch and executor imports happen inside the helpers, when a command runs.

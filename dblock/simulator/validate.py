@@ -305,7 +305,7 @@ def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]]
     import json
 
     import dblock
-    from dblock.compare import paired_bootstrap, run_schedule
+    from dblock.decoding.compare import paired_bootstrap, run_schedule
     from dblock.decoding.params import DecodeConfig
     from dblock.decoding.generate import reference_forward
     from dblock.simulator import calibrate as cal_mod

@@ -101,7 +101,7 @@ def _prompts(args, folder, cfg):
 
 
 def run(args) -> int:
-    from dblock.compare import DEFAULT_SCHEDULES, compare_schedules, format_table
+    from dblock.decoding.compare import DEFAULT_SCHEDULES, compare_schedules, format_table
 
     from dblock.decoding.schedules import schedule_spec
 
@@ -140,6 +140,6 @@ def run(args) -> int:
     else:
         print(format_table(rows))
     if args.plot:
-        from dblock.compare import plot
+        from dblock.decoding.compare import plot
         plot(rows, args.plot)
     return 0
