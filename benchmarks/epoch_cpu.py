@@ -53,7 +53,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dblock.cli_args import check_out_file  # noqa: E402
+from dblock.out_paths import check_out_file  # noqa: E402
 from dblock.decoding.generate import generate, reference_forward  # noqa: E402
 from dblock.decoding.params import DecodeConfig  # noqa: E402
 from dblock.errors import ConfigError  # noqa: E402

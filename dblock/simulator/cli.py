@@ -14,7 +14,8 @@ import math
 import os
 import sys
 
-from dblock.cli_args import ArgumentParser, check_out_file, float_arg, int_arg, seed_arg
+from dblock.cli_args import ArgumentParser, float_arg, int_arg, seed_arg
+from dblock.out_paths import check_out_file
 
 #: `simulate oba --simulate R`: the most denoising passes (R responses x blocks x passes per block) simulated
 MAX_SIM_PASSES = 20_000_000

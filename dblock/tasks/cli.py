@@ -12,9 +12,12 @@ import json
 import os
 
 from dblock.cli_args import (MAX_PROBLEMS, ArgumentParser, ValueRefused, add_batch_size_arg, add_decode_args,
-                             add_executor_args, add_model_args, check_fits, check_out_dir, decode_config, float_arg,
-                             int_arg, load_model, load_tokenizer, make_forward, model_config, resolve_max_new_tokens,
-                             schedule_from_args, seed_arg, seeds_arg)
+                             add_executor_args, add_model_args, float_arg, int_arg, resolve_max_new_tokens, seed_arg,
+                             seeds_arg)
+from dblock.decoding.flags import check_fits, decode_config, schedule_from_args
+from dblock.model_flags import load_model, make_forward, model_config
+from dblock.out_paths import check_out_dir
+from dblock.prompts import load_tokenizer
 
 #: task size ranges (--add-digits, --rev-len): an answer has to fit the tiny models' blocks and positions
 MAX_TASK_LEN = 64

@@ -198,7 +198,7 @@ def _byte_tokenizer():
 
 
 def test_encode_prompt_never_makes_control_tokens_from_text():
-    from dblock.cli_args import load_tokenizer
+    from dblock.prompts import load_tokenizer
     from dblock.tasks.tokenizer import CharTokenizer, PromptError, encode_prompt
 
     byte = _byte_tokenizer()

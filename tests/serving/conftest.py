@@ -32,7 +32,7 @@ def model(model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(model):
-    from dblock.cli_args import load_tokenizer
+    from dblock.prompts import load_tokenizer
     return load_tokenizer(model)
 
 

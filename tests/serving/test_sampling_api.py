@@ -27,7 +27,7 @@ UNSURE = "rev 31415926535="
 def masked():
     """(model, tokenizer) of the bundled tiny-masked."""
     import dblock
-    from dblock.cli_args import load_tokenizer
+    from dblock.prompts import load_tokenizer
     m = dblock.load("tiny-masked", dtype="float32")
     return m, load_tokenizer(m)
 
