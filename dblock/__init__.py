@@ -12,9 +12,12 @@ from dblock.errors import ConfigError, WeightsError
 
 def __getattr__(name):
     """`load` and `save` import torch: loaded on first use, so `import dblock` (and `dblock --help`) stays light."""
-    if name in ("load", "save"):
-        from dblock import weights
-        return getattr(weights, name)
+    if name == "load":
+        from dblock.weights import load
+        return load
+    if name == "save":
+        from dblock.weights_write import save
+        return save
     raise AttributeError(f"module 'dblock' has no attribute {name!r}")
 
 

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.weights_path import CHECKPOINTS_DIR
 
 # (model, executor, epoch config, schedule, extra decode options)
 PLAN = [

@@ -41,7 +41,7 @@ def check_device(device: str) -> str:
 def model_config(args):
     """(folder, config) of `--model`, read from config.json alone (no weights), after checking `--device`."""
     from dblock.config import load_config
-    from dblock.weights import resolve_model_path
+    from dblock.weights_path import resolve_model_path
     from dblock.errors import ConfigError
     if not str(args.model or "").strip():
         raise ConfigError("--model: empty; give a model folder or a bundled name (tiny-masked, tiny-uniform)")

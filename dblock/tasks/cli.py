@@ -228,7 +228,7 @@ def _train(args) -> int:
         args.family = _run_family(args.out)
     make_task_from_args(args)  # validate the task before any compute
     if args.init_from and not args.resume:
-        from dblock.weights import resolve_model_path
+        from dblock.weights_path import resolve_model_path
         resolve_model_path(args.init_from)    # a missing model is an error before any folder is made
     cfg = TrainConfig(family=args.family, out=args.out, size=args.size, task=args.task,
                       add_digits=args.add_digits, rev_len=args.rev_len, block_size=args.block_size, seed=args.seed,

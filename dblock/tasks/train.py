@@ -213,7 +213,7 @@ def make_tokenizer(cfg: TrainConfig, run_dir: str, resume: bool):
         return CodeTokenizer.load(run_dir)
     source = cfg.tokenizer
     if source is None and cfg.init_from:
-        from dblock.weights import resolve_model_path
+        from dblock.weights_path import resolve_model_path
         source = resolve_model_path(cfg.init_from)
     tok = CodeTokenizer.load(source) if source else CodeTokenizer.build(cfg.vocab_size)
     tok.save(run_dir)
@@ -651,7 +651,7 @@ def init_from_model(model: torch.nn.Module, source: str) -> None:
 def _run_folder(out: str, resume: bool, overwrite: bool) -> tuple:
     """(the folder the run writes its checkpoints in, whether it is a staging folder beside `out`)."""
     from dblock.errors import ConfigError
-    from dblock.weights import check_out_dir, new_dir
+    from dblock.weights_write import check_out_dir, new_dir
     if resume:
         if overwrite:
             raise ConfigError(f"--overwrite with --resume: --resume continues the run in {out}, --overwrite "
@@ -803,7 +803,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
         log(f"train-tiny: done, {step} steps in {elapsed / 60:.1f} min; wrote {cfg.out} "
             f"(reproduce: {summary['reproduce']})")
     elif staged:                      # stopped early: the checkpoint alone replaces DIR
-        from dblock.weights import publish
+        from dblock.weights_write import publish
         publish(run_dir, cfg.out, overwrite=True)
     return summary
 
@@ -821,7 +821,7 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def export(model, out: str, tok, extra: Optional[dict] = None, carry_from: Optional[str] = None,
            overwrite: bool = False, storage_dtype: Optional[str] = None) -> None:
-    """The HF folder `out`, written all or nothing (`dblock.weights.staged_folder`): config.json + model.safetensors
+    """The HF folder `out`, written all or nothing (`dblock.weights_write.staged_folder`): config.json + model.safetensors
     (+ the files transformers reads, e.g. DiffusionGemma's generation_config.json), tokenizer.json +
     tokenizer_config.json and `extra` ({name: text}).
 
@@ -829,7 +829,7 @@ def export(model, out: str, tok, extra: Optional[dict] = None, carry_from: Optio
     folder -- never weights (*.safetensors, the index) nor anything the export writes itself, nor *.tmp leftovers.
     `out` must be missing or empty unless `overwrite` (then the whole folder is replaced)."""
     from dblock.tiny import hf_files
-    from dblock.weights import staged_folder, write_model
+    from dblock.weights_write import staged_folder, write_model
     model.eval()
     with staged_folder(out, overwrite) as tmp:
         write_model(model, tmp, extra_files={**hf_files(model), **(extra or {})}, storage_dtype=storage_dtype)

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.weights_path import CHECKPOINTS_DIR
 from tests.fuzz.harness import check_contract, run_cli
 
 SEED = str(2 ** 64)

@@ -7,7 +7,7 @@ import pytest
 
 from dblock.cli import main
 from dblock.equivalence.cli import read_prompts
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.weights_path import CHECKPOINTS_DIR
 
 
 @pytest.fixture(scope="module")

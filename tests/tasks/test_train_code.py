@@ -6,7 +6,7 @@ import torch
 
 from dblock.tasks.code_corpus import CodeTokenizer, TrainWindows
 from dblock.tasks.train import TrainConfig, code_batch_for_step, train
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.weights_path import CHECKPOINTS_DIR
 
 TOKENIZER = os.path.join(CHECKPOINTS_DIR, "code-masked")
 
