@@ -217,7 +217,8 @@ def _run_family(out: str) -> str:
 
 
 def _train(args) -> int:
-    from dblock.tasks.train import TrainConfig, train
+    from dblock.tasks.train import train
+    from dblock.tasks.train_config import TrainConfig
 
     if args.steps is None and args.minutes is None and not args.resume:
         raise ValueError("give --steps S or --minutes N")

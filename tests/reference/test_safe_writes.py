@@ -12,7 +12,8 @@ import dblock
 import dblock.weights_read as WR
 import dblock.weights_write as WW
 from dblock.errors import ConfigError, DblockError, OutputExistsError, WeightsError
-from dblock.tasks.train import STATE_FILE, TrainConfig, train
+from dblock.tasks.train import STATE_FILE, train
+from dblock.tasks.train_config import TrainConfig
 from dblock.tiny import make_tiny, make_tiny_model
 
 
