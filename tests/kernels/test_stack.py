@@ -18,7 +18,8 @@ import dblock
 from dblock.decoding.params import DecodeConfig
 from dblock.forward import Segment, StepInput
 from dblock.kernels.stack import TritonStages
-from dblock.optimized.executor import TorchStages, epoch_forward
+from dblock.optimized.executor import epoch_forward
+from dblock.optimized.stages import TorchStages
 from dblock.decoding.generate import generate
 from dblock.tiny import make_tiny_model
 
