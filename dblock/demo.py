@@ -268,8 +268,9 @@ def _verdict(lo: float, hi: float) -> str:
 
 def _profile_for(name: str, model, path: str | None, quiet: bool):
     """The operator profile of `name` on this machine: `path`, else the cached default, else measured now (quick)."""
+    from dblock.simulator.fingerprint import code_fingerprint, machine_tag
     from dblock.simulator.profile import Profile, default_path
-    from dblock.simulator.profiler import Profiler, code_fingerprint, machine_tag
+    from dblock.simulator.profiler import Profiler
     p = path or default_path(name, machine_tag())
     why = "no operator profile of {name} on this machine yet"
     if os.path.isfile(p):

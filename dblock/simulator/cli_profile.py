@@ -141,7 +141,7 @@ def _calibrate(args) -> int:
 
 def _profile_path(model: str) -> str:
     from dblock.simulator.profile import default_path
-    from dblock.simulator.profiler import machine_tag
+    from dblock.simulator.fingerprint import machine_tag
     return default_path(model, machine_tag())
 
 
@@ -238,7 +238,7 @@ def _validate(args) -> int:
         plan.alpha_n = min(args.alpha_n, 32)
     if os.path.isfile(path):
         prof = Profile.load(path)
-        from dblock.simulator.profiler import code_fingerprint
+        from dblock.simulator.fingerprint import code_fingerprint
         if prof.meta.get("code") != code_fingerprint():
             print(f"warning: the profile {path} was measured on other executor code than this checkout's: its "
                   f"predictions price that code (`dblock simulate profile --model {args.model}` re-measures it)",
