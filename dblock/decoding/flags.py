@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from dblock.cli_args import (_VALUE_MARK, MAX_SEED, TEMPERATURE_MIN, _show, temperature_flag_arg,
-                             token_ids_arg)
+from dblock.cli_args import _VALUE_MARK, MAX_SEED, TEMPERATURE_MIN, _show, temperature_flag_arg, token_ids_arg
 from dblock.prompts import load_tokenizer
 
 
