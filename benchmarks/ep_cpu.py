@@ -48,7 +48,7 @@ def models(batch: int, max_new: int):
     ps = [torch.randint(0, 250, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist()
           for _ in range(batch)]
     out = [("moe-heavy (random, E=32 K=4 H=128 I=256, C=32, head x0.3)", MOE_HEAVY, ps, max_new, 4)]
-    from dblock.weights import CHECKPOINTS_DIR
+    from dblock.weights_path import CHECKPOINTS_DIR
     if os.path.isfile(os.path.join(CHECKPOINTS_DIR, "tiny-masked", "model.safetensors")):
         import dblock
         from dblock.tasks import get_task

@@ -21,8 +21,8 @@ def bench_worker(rank: int, world: int, cfg: dict) -> dict:
     denoising wall times of every repeat, the MoE-region time, the comm dicts of every denoise pass (rank 0's
     view: all ranks' counts), and the tokens (the two modes must agree).
     """
-    from dblock.config import DecodeConfig
     from dblock.decoding.generate import generate
+    from dblock.decoding.params import DecodeConfig
     from dblock.optimized.ep import MODES, EPDispatcher
     from dblock.optimized.executor import epoch_forward
     from dblock.trace import TraceWriter

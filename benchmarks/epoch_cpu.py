@@ -53,9 +53,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dblock.cli_args import check_out_file  # noqa: E402
-from dblock.config import DecodeConfig  # noqa: E402
+from dblock.out_paths import check_out_file  # noqa: E402
 from dblock.decoding.generate import generate, reference_forward  # noqa: E402
+from dblock.decoding.params import DecodeConfig  # noqa: E402
 from dblock.errors import ConfigError  # noqa: E402
 from dblock.optimized.executor import epoch_forward  # noqa: E402
 from dblock.optimized.freshlane import moe_buffer_bytes  # noqa: E402

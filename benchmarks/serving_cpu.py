@@ -82,7 +82,7 @@ def stop_server(p: subprocess.Popen) -> str:
 
 def checkpoint_digest(model: str) -> str:
     import hashlib
-    from dblock.weights import resolve_model_path
+    from dblock.weights_path import resolve_model_path
     h = hashlib.sha256()
     folder = resolve_model_path(model)
     for name in sorted(os.listdir(folder)):
@@ -246,7 +246,7 @@ def simcheck(args, data: dict) -> dict:
     if not os.path.exists(hw_path):
         hardware.calibrate_cpu(path=hw_path)
     hw = hardware.get(hw_path)
-    from dblock.weights import resolve_model_path
+    from dblock.weights_path import resolve_model_path
     cfg = cost.get_model(resolve_model_path(data["model"]))
     by = {s["label"]: s for s in data["servers"]}
     splits = {}

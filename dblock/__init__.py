@@ -5,15 +5,19 @@
     res = dblock.generate(model, [[5, 6, 7]], dblock.DecodeConfig(max_new_tokens=64))
     res.tokens, res.summary()
 """
-from dblock.config import DecodeConfig, ModelConfig, load_config
+from dblock.config import ModelConfig, load_config
+from dblock.decoding.params import DecodeConfig
 from dblock.errors import ConfigError, WeightsError
 
 
 def __getattr__(name):
     """`load` and `save` import torch: loaded on first use, so `import dblock` (and `dblock --help`) stays light."""
-    if name in ("load", "save"):
-        from dblock import weights
-        return getattr(weights, name)
+    if name == "load":
+        from dblock.weights import load
+        return load
+    if name == "save":
+        from dblock.weights_write import save
+        return save
     raise AttributeError(f"module 'dblock' has no attribute {name!r}")
 
 

@@ -3,8 +3,9 @@
 The command tree is plain argparse, built by `build_parser()`: this module's own commands (info, generate, make-tiny,
 demo), then every room's commands, each from its cli module's `add_parser(subparsers)` (`ROOM_CLIS`, imported here
 by name). Every subcommand carries its run function as `set_defaults(_run=fn)`; `main` calls `args._run(args)`.
-Shared option groups and helpers live in `dblock.cli_args` (rooms import them from there, not from here). Building
-the tree imports no torch: each run function imports what it needs.
+Shared option groups live in `dblock.cli_args`, what the parsed flags become beside what they serve
+(`dblock.decoding.flags`, `dblock.model_flags`, `dblock.prompts`, `dblock.out_paths`); rooms import them from there,
+not from here. Building the tree imports no torch: each run function imports what it needs.
 
 Errors are one line on stderr with exit status 2 (set DBLOCK_DEBUG=1 to see the traceback): `dblock: error: ...`
 for the errors a user can fix (`DblockError` and the standard `USER_ERRORS`), `dblock: internal error (Type): ...`
@@ -19,19 +20,22 @@ import json
 import os
 import sys
 
-from dblock import schedules_cli
-from dblock.cli_args import (ArgumentParser, add_batch_size_arg, add_decode_args, add_executor_args,  # noqa: F401
-                             add_model_args, add_special_tokens_arg, check_fits, check_out_dir, check_out_file,
-                             decode_config, encode_texts, int_arg, is_rank0, load_model, load_tokenizer, make_forward,
-                             model_config, parse_ids, prepare_triton, schedule_from_args, seed_arg, under_torchrun)
+from dblock.cli_args import (ArgumentParser, add_batch_size_arg, add_decode_args, add_executor_args, add_model_args,
+                             add_special_tokens_arg, int_arg, seed_arg)
+from dblock.decoding import cli as decoding_cli
+from dblock.decoding.flags import check_fits, decode_config, schedule_from_args
 from dblock.equivalence import cli as equivalence_cli
 from dblock.errors import DblockError
+from dblock.model_flags import load_model, make_forward, model_config, prepare_triton
+from dblock.out_paths import check_out_dir, check_out_file
+from dblock.prompts import encode_texts, load_tokenizer, parse_ids
+from dblock.ranks import is_rank0, under_torchrun
 from dblock.serving import cli as serving_cli
 from dblock.simulator import cli as simulator_cli
 from dblock.tasks import cli as tasks_cli
 
 #: rooms whose commands follow this module's own, in `dblock --help` order
-ROOM_CLIS = (simulator_cli, tasks_cli, equivalence_cli, serving_cli, schedules_cli)
+ROOM_CLIS = (simulator_cli, tasks_cli, equivalence_cli, serving_cli, decoding_cli)
 
 #: besides `DblockError`, the exceptions whose message is meant for the user (`dblock: error: ...`)
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)

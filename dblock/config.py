@@ -1,4 +1,4 @@
-"""Model and decoding configuration.
+"""Model configuration.
 
 `ModelConfig` is the subset of a Hugging Face `config.json` that the executors need, read for the two LLaDA
 families (`llada2_moe` = LLaDA2.0-mini/flash, `llada_moe` = LLaDA-MoE-7B-A1B; its repo says `llada`, some copies
@@ -14,7 +14,6 @@ size is bounded before anything is built from it.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -357,112 +356,3 @@ def load_config(folder_or_file: str):
         path = os.path.join(path, "config.json")
     d = read_json(path)
     return CONFIG_READERS[family_of(d, path)](d, path)
-
-
-@dataclass
-class DecodeConfig:
-    """How to decode: step rule, block size, budgets. Defaults follow docs/algorithms.md §2 (the Epoch evaluation decoder)."""
-
-    max_new_tokens: int = 128
-    block_size: int | None = None    # None: the model's own (config.json `block_size`, 32 for LLaDA)
-    rule: str = "threshold"          # "threshold" | "fixed-k" | "entropy-bound" (uniform-state); docs/algorithms.md §2
-    threshold: float = 0.95          # tau of the threshold rule
-    max_steps: int = 64              # threshold rule: passes per block before committing the rest by argmax
-    steps: int | None = None         # fixed-k: passes per block (default 32); entropy-bound: N steps per block (48)
-    no_cache: bool = False           # llada2_moe: recompute the whole prefix every pass ("dInfer without cache")
-    seed: int = 0
-    # entropy-bound rule (uniform-state, docs/algorithms.md §2.3; transformers' DiffusionGemma defaults)
-    entropy_bound: float = 0.1       # b: accept the longest low-entropy prefix with cumsum(H) - H_last <= b
-    temperature: tuple = (0.8, 0.4)  # (t_max, t_min): T = t_min + (t_max - t_min) * n / N, n = steps remaining
-    stability: int = 1               # stop when the argmax canvas equals the previous `stability` ones ...
-    confidence: float = 0.005        # ... and the mean entropy is below this (e_stop)
-    # masked rules: upstream parity options (docs/algorithms.md §2.1, §2.5)
-    threshold_inclusive: bool = False  # True: commit at conf >= tau (dblock's earlier rule); False: conf > tau (upstream)
-    threshold_steps: int | None = None  # LLaDA2.0 `steps`: each pass commits at least the quota k_s (C split over S)
-    mask_policy: str = "exclude"     # "exclude" | "official" | "ineligible": may the MASK id be predicted (§2.5)
-    # masked-family token sampler (docs/algorithms.md §2.4); a Request may carry its own (Request.sampling)
-    sampling_temperature: float = 0.0  # 0 = greedy (argmax); > 0 samples from softmax(z / T) after top-k, top-p
-    top_p: float = 1.0               # nucleus filter (1 = off)
-    top_k: int = 0                   # top-k filter (0 = off)
-    # stop conditions, both families (docs/algorithms.md §2.6); token ids (the text layer tokenizes strings)
-    stop_token_ids: tuple = ()       # more ids that end generation like EOS
-    stop: tuple = ()                 # token-id sequences ending generation at their first occurrence (kept)
-    min_tokens: int = 0              # EOS / stop ids suppressed on the first min_tokens generated positions
-    ignore_eos: bool = False         # EOS does not end generation; decode up to max_new_tokens
-    n: int = 1                       # generate(): n samples per prompt, seeds seed, seed+1, ... (prompt-major)
-
-    def sampling_params(self):
-        """The batch's per-request defaults as `dblock.decoding.params.SamplingParams`."""
-        from dblock.decoding.params import SamplingParams
-        return SamplingParams(temperature=self.sampling_temperature, top_p=self.top_p, top_k=self.top_k,
-                              stop_token_ids=self.stop_token_ids, stop=self.stop, min_tokens=self.min_tokens,
-                              ignore_eos=self.ignore_eos)
-
-    @property
-    def n_steps(self) -> int:
-        """Steps per block of the rule in use: `steps`, or 32 (fixed-k) / 48 (entropy-bound) when unset."""
-        if self.steps is not None:
-            return self.steps
-        return 48 if self.rule == "entropy-bound" else 32
-
-    def validate(self) -> "DecodeConfig":
-        if self.max_new_tokens <= 0:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be a positive integer")
-        if self.block_size is not None and self.block_size <= 0:
-            raise ConfigError(f"block_size={self.block_size}: must be a positive integer")
-        if self.rule not in ("threshold", "fixed-k", "entropy-bound"):
-            raise ConfigError(f"rule={self.rule!r}: allowed threshold, fixed-k, entropy-bound")
-        if not 0.0 < self.threshold <= 1.0:
-            raise ConfigError(f"threshold={self.threshold}: must lie in (0, 1]")
-        if self.max_steps <= 0 or (self.steps is not None and self.steps <= 0):
-            raise ConfigError(f"max_steps={self.max_steps}, steps={self.steps}: must be positive integers")
-        if self.entropy_bound < 0:
-            raise ConfigError(f"entropy_bound={self.entropy_bound}: must be >= 0")
-        if len(self.temperature) != 2 or min(self.temperature) <= 0:
-            raise ConfigError(f"temperature={self.temperature}: give two positive values t_max,t_min")
-        if self.stability < 0 or self.confidence < 0:
-            raise ConfigError(f"stability={self.stability}, confidence={self.confidence}: must be >= 0")
-        import math
-        for key in ("entropy_bound", "confidence", "threshold"):
-            if not math.isfinite(getattr(self, key)):
-                raise ConfigError(f"{key}={getattr(self, key)}: must be finite")
-        if not all(math.isfinite(t) for t in self.temperature):
-            raise ConfigError(f"temperature={self.temperature}: give two finite positive values t_max,t_min")
-        if self.temperature[0] < self.temperature[1]:   # T falls from t_max to t_min (equal: constant)
-            raise ConfigError(f"temperature={self.temperature}: t_max must be >= t_min")
-        from dblock.decoding import params as P
-        P.check_bool("threshold_inclusive", self.threshold_inclusive)
-        if self.threshold_steps is not None:
-            if not P.is_int(self.threshold_steps) or self.threshold_steps <= 0:
-                raise ConfigError(f"threshold_steps={self.threshold_steps!r}: allowed a positive integer or None")
-            if self.rule != "threshold":
-                raise ConfigError(f"threshold_steps={self.threshold_steps}: the threshold rule's LLaDA2.0 quota; "
-                                  f"rule={self.rule!r} (allowed with rule=threshold)")
-        if self.mask_policy not in P.MASK_POLICIES:
-            raise ConfigError(f"mask_policy={self.mask_policy!r}: allowed {', '.join(P.MASK_POLICIES)}")
-        P.check_temperature("sampling_temperature", self.sampling_temperature)
-        P.check_top_p("top_p", self.top_p)
-        P.check_top_k("top_k", self.top_k)
-        self.stop_token_ids = P.token_ids("stop_token_ids", self.stop_token_ids)
-        self.stop = P.stop_sequences("stop", self.stop)
-        P.check_nonneg_int("min_tokens", self.min_tokens)
-        if self.min_tokens > self.max_new_tokens:
-            raise ConfigError(f"min_tokens={self.min_tokens}: allowed 0..max_new_tokens={self.max_new_tokens}")
-        P.check_bool("ignore_eos", self.ignore_eos)
-        if not P.is_int(self.n) or self.n < 1:
-            raise ConfigError(f"n={self.n!r}: allowed an integer >= 1")
-        if not P.is_int(self.seed) or not 0 <= self.seed <= 2 ** 63 - 1:
-            raise ConfigError(f"seed={self.seed!r}: allowed an integer in [0, 2**63-1]")
-        return self
-
-    def replace(self, **kw) -> "DecodeConfig":
-        return dataclasses.replace(self, **kw)
-
-
-def footprint(prompt_len: int, max_new_tokens: int, block: int, family: str) -> int:
-    """Positions a request may ever occupy: prompt + generation budget on its block grid. llada2_moe blocks lie on
-    the absolute grid (the prompt's tail shares the first one); the other families put whole blocks after the
-    prompt. Used by the serving engine's admission and by the CLI's bounds alike."""
-    if family == "llada2_moe":
-        return -(-(prompt_len + max_new_tokens) // block) * block
-    return prompt_len + -(-max_new_tokens // block) * block

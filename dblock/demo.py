@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.weights_path import CHECKPOINTS_DIR
 
 # (model, executor, epoch config, schedule, extra decode options)
 PLAN = [
@@ -54,7 +54,7 @@ def _bundled() -> list:
 
 def _random_demo(n, as_json) -> int:
     import dblock
-    from dblock.config import DecodeConfig
+    from dblock.decoding.params import DecodeConfig
     from dblock.tiny import make_tiny
 
     print("dblock demo: no trained model is bundled; decoding with a RANDOM tiny llada2_moe checkpoint "
@@ -85,7 +85,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
     if not bundled:
         return _random_demo(n, as_json)
     import dblock
-    from dblock.config import DecodeConfig
+    from dblock.decoding.params import DecodeConfig
     from dblock.decoding.generate import reference_forward
     from dblock.optimized.executor import epoch_forward
     from dblock.simulator import measure
@@ -268,8 +268,9 @@ def _verdict(lo: float, hi: float) -> str:
 
 def _profile_for(name: str, model, path: str | None, quiet: bool):
     """The operator profile of `name` on this machine: `path`, else the cached default, else measured now (quick)."""
+    from dblock.simulator.fingerprint import code_fingerprint, machine_tag
     from dblock.simulator.profile import Profile, default_path
-    from dblock.simulator.profiler import Profiler, code_fingerprint, machine_tag
+    from dblock.simulator.profiler import Profiler
     p = path or default_path(name, machine_tag())
     why = "no operator profile of {name} on this machine yet"
     if os.path.isfile(p):

@@ -7,7 +7,8 @@ import os
 from safetensors import safe_open
 
 from dblock.config import load_config
-from dblock.weights import expected, resolve_model_path, shard_files
+from dblock.weights_path import resolve_model_path
+from dblock.weights_read import expected, shard_files
 
 _BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "U8": 1}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from dblock import families
-from dblock.weights import check_out_dir, save
+from dblock.weights_write import check_out_dir, save
 
 
 def tiny_config(family: str, **overrides):

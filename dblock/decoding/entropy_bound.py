@@ -44,8 +44,7 @@ from typing import Optional
 
 import torch
 
-from dblock.config import DecodeConfig
-from dblock.decoding.params import SamplingParams
+from dblock.decoding.params import DecodeConfig, SamplingParams
 from dblock.decoding.stopping import banned_ids
 
 

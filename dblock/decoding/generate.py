@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from dblock import families
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import Forward
 from dblock.decoding.schedules import Request, RequestRun, RunTimes, ScheduleSpec, drive, schedule_spec
 from dblock.trace import NULL_TRACE, TraceWriter

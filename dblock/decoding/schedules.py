@@ -28,9 +28,8 @@ from typing import Any, Optional
 
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig, SamplingParams
 from dblock.forward import Forward, Segment, StepInput, block_causal
-from dblock.decoding.params import SamplingParams
 from dblock.decoding.samplers import MaskedBlock, block_seed, last_pass, masked_step
 from dblock.decoding.stopping import Stopper, banned_ids
 from dblock.trace import NULL_TRACE, TraceWriter

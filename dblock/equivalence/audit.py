@@ -1,8 +1,8 @@
 """The audited Epoch executor: the production `EpochExecutor` with the equivalence suite's taps installed from outside.
 
-`AuditedEpochExecutor` overrides two named steps of the executor (`dblock/optimized/executor.py`) and records, after
-each, what the checks of `invariants.py` and the shadow comparison (`shadow.py`) read; the production executor
-carries none of it:
+`AuditedEpochExecutor` overrides two named steps of the executor (`_layer_output` in dblock/optimized/moe_steps.py,
+`_segment_logits` in dblock/optimized/executor.py) and records, after each, what the checks of `invariants.py`
+and the shadow comparison (`shadow.py`) read; the production executor carries none of it:
 
   _layer_output      `audit`: one record per (pass, block, MoE layer) — the block's path, fresh rows, rows served
                      from the decoded-output cache and their ages, newly decoded and decoded rows, the support and
@@ -25,8 +25,9 @@ from typing import Sequence
 
 import torch
 
-from dblock.optimized.executor import EpochExecutor, LayerCall, Rows, epoch_config
+from dblock.optimized.executor import EpochExecutor, epoch_config
 from dblock.optimized.plan import EpochConfig
+from dblock.optimized.rows import LayerCall, Rows
 
 
 class AuditedEpochExecutor(EpochExecutor):

@@ -19,9 +19,11 @@ import os
 import sys
 
 from dblock.cli_args import (MAX_PROBLEMS, ValueRefused, add_batch_size_arg, add_decode_args, add_executor_args,
-                             add_model_args, add_special_tokens_arg, check_fits, check_out_file, decode_config,
-                             encode_texts, float_arg, int_arg, load_model, load_tokenizer, model_config,
-                             resolve_max_new_tokens, schedule_from_args)
+                             add_model_args, add_special_tokens_arg, float_arg, int_arg, resolve_max_new_tokens)
+from dblock.decoding.flags import check_fits, decode_config, schedule_from_args
+from dblock.model_flags import load_model, model_config
+from dblock.out_paths import check_out_file
+from dblock.prompts import encode_texts, load_tokenizer
 
 CHECKS = ("full-compute", "paired-block", "world-size")
 
@@ -129,7 +131,7 @@ def read_prompt_items(path: str) -> list:
 
 def read_prompts(path: str, tok, cfg=None, allow_special: bool = False) -> list:
     """Prompts from a file (see `read_prompt_items`) as token ids. Text goes through `tok`: a `tokenizers.Tokenizer`
-    (or `CharTokenizer`) with `dblock.cli_args.encode_texts` (special-token text stays plain text unless
+    (or `CharTokenizer`) with `dblock.prompts.encode_texts` (special-token text stays plain text unless
     `allow_special`), any other object through its own `encode(text) -> ids`; None refuses text prompts."""
     out = []
     for label, it in read_prompt_items(path):

@@ -205,7 +205,7 @@ def world_size_worker(rank: int, world: int, cfg: dict) -> dict:
     """One rank of the world-size check: decode with the epoch executor over an EP dispatcher (module level: the
     ranks are spawned)."""
     import dblock
-    from dblock.config import DecodeConfig
+    from dblock.decoding.params import DecodeConfig
     from dblock.optimized.ep import EPDispatcher
     from dblock.optimized.executor import epoch_forward
     from dblock.decoding.generate import generate

@@ -22,7 +22,7 @@ import os
 import time
 from typing import Optional, Sequence
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.equivalence import report as rpt
 from dblock.equivalence.shadow import ShadowForward, shadow_generate
 

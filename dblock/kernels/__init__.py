@@ -18,7 +18,7 @@ does). So the mode is the caller's choice, made once, before triton is imported:
 
   * on a machine without CUDA the kernels run only through the interpreter (numpy, slow, for checking): set
     TRITON_INTERPRET=1 before starting Python (`TRITON_INTERPRET=1 python ...`). The `dblock` command does it for
-    `--use-triton` when no CUDA device is visible and the variable is unset (`dblock.cli_args.prepare_triton`);
+    `--use-triton` when no CUDA device is visible and the variable is unset (`dblock.model_flags.prepare_triton`);
     the tests set it in tests/conftest.py.
   * with CUDA the kernels are compiled unless TRITON_INTERPRET=1 was set.
 

@@ -1,4 +1,4 @@
-"""`TritonStages`: the optimized executor's stage seam (`dblock.optimized.executor.TorchStages`) with Triton
+"""`TritonStages`: the optimized executor's stage seam (`dblock.optimized.stages.TorchStages`) with Triton
 kernels. `EpochConfig.use_triton` swaps the whole stack for this one.
 
 Letter legend: B requests, L padded rows, S keys (cache + new), H hidden, N heads, G kv heads, D head dim,

@@ -116,7 +116,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(D, cfg.rms_norm_eps, with_scale=False)
-        # training only (`dblock.tasks.train.set_fused_attention`): the same attention through torch's fused
+        # training only (`dblock.tasks.train_model.set_fused_attention`): the same attention through torch's fused
         # scaled_dot_product_attention; decoding always takes the explicit path below
         self.fused = False
 

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
-        # training only (`dblock.tasks.train.set_fused_attention`): the same attention through torch's fused
+        # training only (`dblock.tasks.train_model.set_fused_attention`): the same attention through torch's fused
         # scaled_dot_product_attention, faster with autograd; decoding always takes the explicit path below
         self.fused = False
 

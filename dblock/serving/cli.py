@@ -8,9 +8,11 @@ import json
 import os
 import sys
 
-from dblock.cli_args import (add_decode_args, add_executor_args, add_model_args, check_fits, check_out_file,
-                             check_stops, decode_config, float_arg, int_arg, load_model, load_tokenizer, make_forward,
-                             model_config, port_arg, positions_needed, schedule_from_args, seed_arg)
+from dblock.cli_args import add_decode_args, add_executor_args, add_model_args, float_arg, int_arg, port_arg, seed_arg
+from dblock.decoding.flags import check_fits, check_stops, decode_config, positions_needed, schedule_from_args
+from dblock.model_flags import load_model, make_forward, model_config
+from dblock.out_paths import check_out_file
+from dblock.prompts import load_tokenizer
 from dblock.tasks import BUNDLED_TASK
 
 API_KEY_ENV = "DBLOCK_API_KEY"

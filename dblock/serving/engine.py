@@ -45,10 +45,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from dblock.config import DecodeConfig, footprint
+from dblock.decoding.params import DecodeConfig, SamplingParams, footprint
 from dblock.errors import ConfigError
 from dblock.forward import Forward
-from dblock.decoding.params import SamplingParams
 from dblock.decoding.schedules import Request, RequestRun, RunTimes, ScheduleSpec, schedule_spec, step_once
 from dblock.trace import NULL_TRACE, TraceWriter
 

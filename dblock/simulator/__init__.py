@@ -11,7 +11,9 @@ calibrate.py  fit profiles, alpha, r and at most two roofline factors from execu
 papers.py     the model against the One Block Ahead and Epoch papers
 profile.py    the operator profile of a machine: tables, monotone interpolation, pricing a call (CallShape)
 batch.py      SimPy model of the shared driver (closed batches and serving), priced call by call; decompose
-cli.py        `dblock simulate ...`
+fingerprint.py  what a profile was measured on: the machine tag, the fingerprint of the executors' source
+cli.py        `dblock simulate ...` (one module per subcommand group: cli_oba.py, cli_roofline.py, cli_profile.py;
+              cli_common.py their shared flag parsing and output)
 
 The measuring side — profiler.py (`simulate profile`), measure.py (thread-CPU timing, r on the same rows, serving
 on a CPU-time clock) and validate.py (`simulate validate`) — loads models and executors; every other module imports

@@ -39,6 +39,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from dblock.simulator.fingerprint import code_fingerprint, machine_tag
 from dblock.simulator.profile import OpTable, Profile, TIMER, geometric_grid, model_meta
 
 QUICK = dict(repeats=3, max_rows_blocks=32, max_requests=32, context_blocks=8)
@@ -367,8 +368,8 @@ class Profiler:
         """Host work of an iteration outside the executor calls, on the serving engine (`Engine.step`: the driver's
         `step_once` plus the engine's bookkeeping): `driver(requests)` per iteration with `requests` running, and
         `admit(requests)` the extra cost of the iteration that admits them (their `RequestRun`s are built)."""
-        from dblock.config import DecodeConfig
         from dblock.decoding.generate import reference_forward
+        from dblock.decoding.params import DecodeConfig
         from dblock.serving.engine import Engine, EngineConfig
         torch, C = self.torch, self.C
         fwd = _CallTimer(reference_forward(self.model), self.timer)
@@ -573,30 +574,6 @@ def drift(profile, model, repeats: int = 7, timer: Callable[[], float] = time.th
     calls = [v for k, v in ratios.items() if k.startswith("call_")] or list(ratios.values())
     return dict(factor=float(np.median(calls)), anchors=ratios,
                 note="time now / time at profiling, median over the whole-call anchors")
-
-
-def machine_tag() -> str:
-    return f"{platform.system()}-{platform.machine()}-{os.cpu_count()}cpu"
-
-
-#: the packages whose code a profile times: a change there (an executor made faster) makes a profile stale
-CODE_PACKAGES = ("reference", "optimized", "decoding", "kernels")
-
-
-def code_fingerprint() -> str:
-    """SHA-256 (16 hex digits) of the source of the executors and the decoder (`CODE_PACKAGES`), stored in every
-    profile's meta as `code`: a profile measured before a change to them prices the old code."""
-    import hashlib
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    h = hashlib.sha256()
-    for pkg in CODE_PACKAGES:
-        d = os.path.join(root, pkg)
-        for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-            if name.endswith(".py"):
-                h.update(f"{pkg}/{name}\0".encode())
-                with open(os.path.join(d, name), "rb") as f:
-                    h.update(f.read())
-    return h.hexdigest()[:16]
 
 
 def profile_model(model: str, out: Optional[str] = None, executors: Sequence[str] = ("reference", "epoch"),

@@ -160,7 +160,7 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
     """Measure and predict every row of `plan`. `forward(executor)` makes an executor ("reference" or "epoch")
     for `model` (default: the real ones); tests pass synthetic executors and a fake `timer`."""
     import dblock
-    from dblock.config import DecodeConfig
+    from dblock.decoding.params import DecodeConfig
     from dblock.tasks import get_task
     from dblock.tasks.evaluate import TokenizerAdapter
 
@@ -305,8 +305,8 @@ def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]]
     import json
 
     import dblock
-    from dblock.compare import paired_bootstrap, run_schedule
-    from dblock.config import DecodeConfig
+    from dblock.decoding.compare import paired_bootstrap, run_schedule
+    from dblock.decoding.params import DecodeConfig
     from dblock.decoding.generate import reference_forward
     from dblock.simulator import calibrate as cal_mod
     from dblock.tasks import get_task

@@ -1,6 +1,6 @@
 """The BD3-LM training mask: one forward over [x_t ; x_0] trains every block of a sequence at once.
 
-Used by training (`dblock.tasks.train`) and by the held-out loss (`dblock.tasks.code_eval`).
+Used by training (`dblock.tasks.train_loss`) and by the held-out loss (`dblock.tasks.code_eval`).
 """
 from __future__ import annotations
 

@@ -42,7 +42,8 @@ def read_card(folder: str) -> Optional[dict]:
 
 def task_of(model: str, default: str = "arith") -> str:
     """The task a (bundled) model was trained on, from its card; `default` when it has none."""
-    from dblock.weights import WeightsError, resolve_model_path
+    from dblock.errors import WeightsError
+    from dblock.weights_path import resolve_model_path
     try:
         folder = resolve_model_path(model)
     except WeightsError:            # not a folder nor a bundled name: the command reports that when it loads
@@ -53,7 +54,8 @@ def task_of(model: str, default: str = "arith") -> str:
 def decoding_of(model) -> dict:
     """The decoding defaults a model's card sets (`card.json["decoding"]`, e.g. `{"threshold_steps": 8}`), {} when
     it sets none or `model` is not a folder or bundled name. The commands apply them where no flag overrides."""
-    from dblock.weights import WeightsError, resolve_model_path
+    from dblock.errors import WeightsError
+    from dblock.weights_path import resolve_model_path
     try:
         folder = resolve_model_path(model)
     except (WeightsError, TypeError):
@@ -524,7 +526,7 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
     """Evaluate `model` with `run_eval("dblock eval ...")` (the CLI's in-process runner) and write its card and
     loss_curve.png. `summary_paths`: one train_summary.json, or one per stage of the recipe in order."""
     from dblock.tasks import base_task
-    from dblock.weights import resolve_model_path
+    from dblock.weights_path import resolve_model_path
 
     folder = resolve_model_path(model)
     paths = [summary_paths] if isinstance(summary_paths, str) else list(summary_paths)

@@ -12,9 +12,12 @@ import json
 import os
 
 from dblock.cli_args import (MAX_PROBLEMS, ArgumentParser, ValueRefused, add_batch_size_arg, add_decode_args,
-                             add_executor_args, add_model_args, check_fits, check_out_dir, decode_config, float_arg,
-                             int_arg, load_model, load_tokenizer, make_forward, model_config, resolve_max_new_tokens,
-                             schedule_from_args, seed_arg, seeds_arg)
+                             add_executor_args, add_model_args, float_arg, int_arg, resolve_max_new_tokens, seed_arg,
+                             seeds_arg)
+from dblock.decoding.flags import check_fits, decode_config, schedule_from_args
+from dblock.model_flags import load_model, make_forward, model_config
+from dblock.out_paths import check_out_dir
+from dblock.prompts import load_tokenizer
 
 #: task size ranges (--add-digits, --rev-len): an answer has to fit the tiny models' blocks and positions
 MAX_TASK_LEN = 64
@@ -214,7 +217,8 @@ def _run_family(out: str) -> str:
 
 
 def _train(args) -> int:
-    from dblock.tasks.train import TrainConfig, train
+    from dblock.tasks.train import train
+    from dblock.tasks.train_config import TrainConfig
 
     if args.steps is None and args.minutes is None and not args.resume:
         raise ValueError("give --steps S or --minutes N")
@@ -225,7 +229,7 @@ def _train(args) -> int:
         args.family = _run_family(args.out)
     make_task_from_args(args)  # validate the task before any compute
     if args.init_from and not args.resume:
-        from dblock.weights import resolve_model_path
+        from dblock.weights_path import resolve_model_path
         resolve_model_path(args.init_from)    # a missing model is an error before any folder is made
     cfg = TrainConfig(family=args.family, out=args.out, size=args.size, task=args.task,
                       add_digits=args.add_digits, rev_len=args.rev_len, block_size=args.block_size, seed=args.seed,

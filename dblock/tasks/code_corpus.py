@@ -21,7 +21,7 @@ counts over the whole split; the same vocabulary whatever the file order), ~7 s 
 Training windows (`TrainWindows`): a step's examples are windows of L tokens cut from train files chosen with
 probability proportional to their length, starting at a line start (the token after one holding a newline, or the
 file start); a window that reaches its file's end gets `<eos>` and then `<eos>` padding. A pure function of (seed,
-step). See `dblock.tasks.train` for how a window becomes a training example.
+step). See `dblock.tasks.train_data` for how a window becomes a training example.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ training objective on the held-out references, per token:
                 t_d = (d + u) / draws (u per example, stratified), each reference token masked with probability
                 p = t_d; the loss is sum over masked reference tokens of CE / p, divided by the number of reference
                 tokens, averaged over the draws. Prompt rows stay clean (as at decoding time); one forward over
-                [x_t ; x_0] with the BD3 mask of `dblock.tasks.train.bd3_mask` per draw.
+                [x_t ; x_0] with the BD3 mask of `dblock.tasks.bd3.bd3_mask` per draw.
     diffusion_gemma  the canvas cross-entropy of its training objective (uniform replacement noise, two-pass
                 self-conditioning), averaged over the draws (`dblock.tasks.train_uniform.heldout_loss`).
 

@@ -11,7 +11,7 @@ import os
 from collections import Counter
 from typing import Any, Optional, Sequence
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 
 
 class TokenizerAdapter:

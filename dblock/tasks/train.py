@@ -48,420 +48,36 @@ Options (TrainConfig; the defaults reproduce earlier runs bit for bit):
 Time budget: `--minutes N` without `--steps` times `calibrate_steps` steps (after 5 warm ones) and fixes the total
 number of steps so the run fits N minutes (the cosine schedule needs a known length); the summary prints the equivalent
 `--steps` command that reproduces the run bit for bit.
+
+Layout: what determines a run in `dblock.tasks.train_config`, its model and tokenizer in `train_model`, the data
+and noise of a step in `train_data`, the llada2_moe objective and the expert balancing in `train_loss`, the final
+HF folder in `train_export`; this module is the loop with its optimizer, schedule, checkpoints and in-training
+evaluation.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import shlex
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from dblock.config import ModelConfig
-from dblock.tasks import CharTokenizer, get_task
-from dblock.tasks.bd3 import bd3_mask
+from dblock.tasks import CharTokenizer
+from dblock.tasks.train_config import TrainConfig, is_code_task, reproduce_command
+from dblock.tasks.train_data import (_step_seed, add_noise, batch_for_step, block_size_at, code_batch_for_step,
+                                     code_rows_for_step, draw_warm_blocks, make_task, parse_block_warmup,
+                                     rows_for_step)
+from dblock.tasks.train_export import export
+from dblock.tasks.train_loss import balance_stats, diffusion_loss, expert_loads, update_expert_bias
+from dblock.tasks.train_model import build_model, init_from_model, make_tokenizer, set_fused_attention
 
 STATE_FILE = "train_state.pt"
 SUMMARY_FILE = "train_summary.json"
-
-# Model sizes. "small" is the bundled tiny-masked model; "micro" is for tests (seconds per step on CPU).
-LLADA2_SIZES = {
-    "small": dict(hidden_size=160, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
-                  intermediate_size=320, moe_intermediate_size=80, num_experts=16, num_experts_per_tok=4,
-                  num_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2),
-    "base": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                 intermediate_size=256, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
-                 num_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2),
-    "micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                  intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-                  num_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2),
-    # LLaDA2.0-mini's routing scaled down (64 experts top-8 in 8 groups keep 4, one shared expert, the first layer
-    # dense): the bundled code-masked model, 10.5M parameters with the 2048-token code vocabulary
-    "code": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                 intermediate_size=384, moe_intermediate_size=96, num_experts=64, num_experts_per_tok=8,
-                 num_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4),
-    # the same routing at test scale (seconds per step)
-    "code-micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=16, intermediate_size=64, moe_intermediate_size=8, num_experts=16,
-                       num_experts_per_tok=4, num_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2),
-}
-
-
-@dataclass
-class TrainConfig:
-    """Everything that determines a run (stored in the checkpoint; a resumed run uses the stored values)."""
-
-    family: str = "llada2_moe"
-    out: str = ""
-    size: str = "base"               # key of LLADA2_SIZES
-    task: str = "arith"              # a `get_task` name
-    add_digits: Optional[tuple] = None  # ArithTask size ranges (None: the task's defaults)
-    rev_len: Optional[tuple] = None
-    div_digits: Optional[tuple] = None  # (arith-long's div)
-    block_size: int = 16
-    seed: int = 0
-    steps: Optional[int] = None      # total optimizer steps (None: fixed from --minutes after calibration)
-    minutes: Optional[float] = None  # wall budget used to choose `steps`
-    calibrate_steps: int = 30       # steps timed (after 5 warm ones) to turn --minutes into --steps
-    batch_size: int = 32
-    lr: float = 2e-3
-    min_lr_frac: float = 0.05        # cosine decays to lr * min_lr_frac
-    warmup: int = 100
-    weight_decay: float = 0.05       # on matrices only (not norms, embeddings or the expert bias)
-    grad_clip: float = 1.0
-    eps: float = 1e-3                # p = (1 - eps) t + eps
-    bias_update: float = 1e-3        # u of the aux-loss-free expert-bias update (0 disables it)
-    length_chunk: int = 8            # batches of a chunk of this many steps are formed from examples sorted by length
-    curriculum_steps: int = 0        # > 0: over the first steps, the task's size maximum grows from curriculum_start
-    curriculum_start: int = 2        # (see `task_for_step`); 0 steps: the full task from step 0
-    init_from: Optional[str] = None  # start from this model's weights (a HF folder or bundled name of the same family
-                                     # and size) instead of the seeded init: a second stage of a recipe
-    noisy_context: float = 0.0       # probability per example that a block sees its predecessor still noisy (OBA's
-                                     # warm-up block; see `noisy_context_mask` and train_uniform.uniform_loss)
-    eval_every: int = 0              # > 0: held-out accuracy every this many steps (and at the end), in `evals`
-    eval_n: int = 64                 # test problems per in-training evaluation
-    vocab_size: int = 2048           # task `code`: the byte-level BPE's vocabulary (dblock.tasks.code_corpus)
-    tokenizer: Optional[str] = None  # task `code`: take tokenizer.json from this folder instead of building it
-    window: int = 288                # task `code`: tokens per training window (a multiple of the block size)
-    save_dtype: Optional[str] = None  # store the exported weights in this dtype (e.g. "bfloat16"; config.json then
-                                     # names float32 as the dtype to compute in); the training state stays fp32
-    block_warmup: Optional[str] = None  # "1:500,4:300": BD3 block sizes of the first steps (`block_size_at`)
-    fused_attention: bool = False    # attention by torch's scaled_dot_product_attention in training (the same
-                                     # function, fused: ~1.6x faster steps; default off reproduces earlier runs)
-    save_every: int = 200
-    log_every: int = 10
-    threads: int = 1                 # 1: on the shared 2-core box 2 threads ran 4x slower (oversubscription)
-    progress: bool = True
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# model
-# ---------------------------------------------------------------------------------------------------------------
-
-def llada2_config(size: str = "base", block_size: int = 16, tokenizer=None) -> ModelConfig:
-    """A small llada2_moe config over the character tokenizer: every structural feature of LLaDA2.0 (GQA, partial
-    rotary 0.5, QK-norm, a dense first layer, sigmoid group-limited routing with an expert bias, a shared expert)."""
-    if size not in LLADA2_SIZES:
-        raise ValueError(f"--size {size!r}: allowed {', '.join(LLADA2_SIZES)}")
-    tok = tokenizer or CharTokenizer()
-    return ModelConfig(
-        family="llada2_moe", model_type="llada2_moe", vocab_size=tok.vocab_size, **LLADA2_SIZES[size],
-        routed_scaling_factor=2.5, score_function="sigmoid", use_expert_bias=True, norm_topk_prob=True,
-        partial_rotary_factor=0.5, rope_theta=10000.0, use_qk_norm=True, rms_norm_eps=1e-6,
-        mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id, block_size=block_size,
-        max_position_embeddings=4096,
-    ).validate("train-tiny config")
-
-
-def init_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """GPT-2 style init, deterministic in `seed`: N(0, std) matrices and embeddings, output projections (attention
-    `wo`, MLP/expert `down`) scaled by 1/sqrt(2 n_layers), norms 1, expert bias 0."""
-    g = torch.Generator().manual_seed(seed)
-    n_layers = model.config.num_hidden_layers
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            s = std
-            if name.endswith(("wo.weight", "down.weight", "w_down")):
-                s = std / math.sqrt(2 * n_layers)
-            p.copy_(torch.randn(p.shape, generator=g) * s)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias") and b is not None:
-                b.zero_()
-
-
-def build_model(cfg: TrainConfig, tok=None) -> torch.nn.Module:
-    """The seeded model of a run; `tok` (the run's tokenizer) sets the vocabulary and special ids (default: the
-    character tokenizer)."""
-    if cfg.family == "diffusion_gemma":
-        from dblock.tasks.train_uniform import build_gemma
-        model = build_gemma(cfg, tok)
-    else:
-        from dblock.reference.llada import LladaModel
-        model = LladaModel(llada2_config(cfg.size, cfg.block_size, tok))
-        init_weights(model, cfg.seed)
-    if cfg.fused_attention:
-        set_fused_attention(model, True)
-    return model
-
-
-def set_fused_attention(model, on: bool) -> None:
-    """Training-time attention through torch's fused `scaled_dot_product_attention` (the same function as the
-    reference's explicit softmax, computed in another order): `fused` on every attention module that has it."""
-    for mod in model.modules():
-        if hasattr(mod, "fused"):
-            mod.fused = bool(on)
-
-
-def make_tokenizer(cfg: TrainConfig, run_dir: str, resume: bool):
-    """The run's tokenizer: the character tokenizer, or for task `code` the byte-level BPE -- read back from the run
-    folder on --resume, taken from --tokenizer (or the --init-from model's folder), else built from the corpus --
-    and written into the run folder so that a resumed run uses the very same one."""
-    if not is_code_task(cfg.task):
-        return CharTokenizer()
-    from dblock.tasks.code_corpus import CodeTokenizer
-    if resume:
-        return CodeTokenizer.load(run_dir)
-    source = cfg.tokenizer
-    if source is None and cfg.init_from:
-        from dblock.weights import resolve_model_path
-        source = resolve_model_path(cfg.init_from)
-    tok = CodeTokenizer.load(source) if source else CodeTokenizer.build(cfg.vocab_size)
-    tok.save(run_dir)
-    return tok
-
-
-def is_code_task(name: str) -> bool:
-    return name.partition(":")[0] == "code"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the BD3-LM training mask and the data
-# ---------------------------------------------------------------------------------------------------------------
-
-def noisy_context_mask(L: int, C: int, warm: torch.Tensor) -> torch.Tensor:
-    """(B, 2L, 2L) BD3 masks where, in example b, the noisy block `warm[b]` (>= 1; -1: none) gets One Block Ahead's
-    warm-up view: it sees the NOISY block warm[b] - 1 (its x_t rows, which see only the clean blocks before them, as
-    the current block does) instead of the clean one, as the warm-up block sees the still-masked current block
-    (docs/algorithms.md, One Block Ahead). Every other block keeps the plain BD3 view."""
-    base = bd3_mask(L, C)
-    B = warm.shape[0]
-    if not bool((warm >= 1).any()):
-        return base[None].expand(B, 2 * L, 2 * L)
-    idx = torch.arange(2 * L)
-    half, blk = idx // L, (idx % L) // C
-    row_warm = (half[None, :] == 0) & (blk[None, :] == warm[:, None])                    # (B, 2L) query rows
-    prev = blk[None, :] == blk[:, None] - 1                                              # (2L, 2L)
-    swap_in = prev & (half[None, :] == 0)                                                # keys: noisy prev block
-    swap_out = prev & (half[None, :] == 1)                                               # keys: clean prev block
-    warm_view = (base & ~swap_out) | swap_in
-    return torch.where(row_warm[:, :, None], warm_view[None], base[None])
-
-
-def draw_warm_blocks(B: int, L: int, C: int, prob: float, gen: torch.Generator) -> torch.Tensor:
-    """(B,) the block of each example trained with the warm-up view (uniform in 1..L/C - 1) with probability
-    `prob`, else -1."""
-    pick = torch.rand(B, generator=gen) < prob
-    n_blocks = L // C
-    w = torch.randint(1, max(2, n_blocks), (B,), generator=gen)
-    return torch.where(pick & (n_blocks >= 2), w, torch.full_like(w, -1))
-
-
-def make_task(cfg: TrainConfig):
-    if is_code_task(cfg.task):
-        return get_task(cfg.task)
-    kw = {}
-    if cfg.add_digits:
-        kw["add_digits"] = tuple(cfg.add_digits)
-    if cfg.rev_len:
-        kw["rev_len"] = tuple(cfg.rev_len)
-    if cfg.div_digits:
-        kw["div_digits"] = tuple(cfg.div_digits)
-    return get_task(cfg.task, **kw)
-
-
-def task_for_step(task, cfg: TrainConfig, step: int):
-    """The task the examples of `step` come from. With `curriculum_steps` K > 0, steps s < K draw from
-    `task.capped(m)` (every size range's maximum lowered to m), m growing linearly from `curriculum_start` to the
-    task's largest maximum over the K steps, by chunks of `length_chunk` steps (a chunk has one m): short operands
-    first. A pure function of (cfg, step), so determinism and resumption are unchanged."""
-    K = cfg.curriculum_steps
-    if K <= 0 or step >= K:
-        return task
-    hi = max(r[1] for r in task.sizes().values())
-    lo = min(max(1, cfg.curriculum_start), hi)
-    first = (step // max(1, cfg.length_chunk)) * max(1, cfg.length_chunk)
-    m = lo + (hi - lo + 1) * first // K
-    return task if m >= hi else task.capped(m)
-
-
-def _step_seed(seed: int, step: int, salt: int) -> int:
-    return (int(seed) * 1_000_003 + int(step) * 7_919 + salt * 104_729) % (2 ** 63 - 1)
-
-
-def encode_example(tok: CharTokenizer, ex) -> tuple[list, int]:
-    """(ids of prompt + answer + <eos>, prompt length)."""
-    p = tok.encode(ex.prompt)
-    return p + tok.encode(ex.answer) + [tok.eos_id], len(p)
-
-
-_CHUNK_CACHE: dict = {}
-
-
-def rows_for_step(task, tok: CharTokenizer, cfg: TrainConfig, step: int) -> list:
-    """The examples of optimizer step `step`: [(ids of prompt + answer + <eos>, prompt length)].
-
-    Steps are grouped in chunks of `length_chunk`: the chunk's examples (the task's train stream at indices
-    offset by the seed) are sorted by length and cut into batches, whose order inside the chunk is a seeded
-    permutation -- less padding than random batches, same data, a pure function of (seed, step)."""
-    B, n = cfg.batch_size, max(1, cfg.length_chunk)
-    chunk, within = divmod(step, n)
-    task = task_for_step(task, cfg, step)
-    key = (task._seed_key, cfg.seed, B, n, chunk)
-    if _CHUNK_CACHE.get("key") != key:
-        base = cfg.seed * 1_000_000_000 + chunk * n * B
-        encoded = [encode_example(tok, task.sample("train", base + i)) for i in range(n * B)]
-        order = sorted(range(n * B), key=lambda i: (len(encoded[i][0]), i))
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, chunk, 1))).tolist()
-        _CHUNK_CACHE.update(key=key, batches=[[encoded[i] for i in order[j * B:(j + 1) * B]] for j in perm])
-    return _CHUNK_CACHE["batches"][within]
-
-
-def batch_for_step(task, tok: CharTokenizer, cfg: TrainConfig, step: int):
-    """The clean llada2 batch of step `step`: x0 (B, L) int64, prompt (B, L) bool, L a multiple of C (the grid
-    layout: the prompt at position 0 shares the first block), <eos> padding up to L."""
-    rows = rows_for_step(task, tok, cfg, step)
-    B, C = len(rows), cfg.block_size
-    L = -(-max(len(ids) for ids, _ in rows) // C) * C
-    x0 = torch.full((B, L), tok.eos_id, dtype=torch.long)
-    prompt = torch.zeros(B, L, dtype=torch.bool)
-    for b, (ids, P) in enumerate(rows):
-        x0[b, :len(ids)] = torch.tensor(ids)
-        prompt[b, :P] = True
-    return x0, prompt
-
-
-def code_batch_for_step(windows, cfg: TrainConfig, step: int):
-    """The clean batch of step `step` on the code task: x0 (B, L = cfg.window) windows of the train split
-    (`dblock.tasks.code_corpus.TrainWindows`) and `fixed` (B, L) bool, the rows kept clean and out of the loss.
-
-    Every block of a window is trained (noised, and predicted from the clean blocks before it: BD3-LM), except that
-    each example draws a prompt end P uniform in [0, L/2] and the rows of P's block before P stay clean -- the
-    block that holds a prompt's tail at decoding time (the llada2 grid layout), whose first rows are fixed. A pure
-    function of (seed, step)."""
-    import numpy as np
-    B, L, C = cfg.batch_size, cfg.window, cfg.block_size
-    rng = np.random.default_rng(_step_seed(cfg.seed, step, 3))
-    x0 = torch.tensor([windows.window(rng) for _ in range(B)], dtype=torch.long)
-    P = rng.integers(0, L // 2 + 1, size=B)
-    fixed = torch.zeros(B, L, dtype=torch.bool)
-    for b, p in enumerate(P.tolist()):
-        fixed[b, (p // C) * C:p] = True
-    return x0, fixed
-
-
-def parse_block_warmup(spec: Optional[str]) -> list:
-    """'1:500,4:300' -> [(1, 500), (4, 300)]: train with block size 1 for 500 steps, then 4 for 300, then the
-    model's block size. A ValueError names a bad item."""
-    if not spec:
-        return []
-    out = []
-    for item in spec.split(","):
-        try:
-            c, n = (int(x) for x in item.split(":"))
-        except ValueError:
-            raise ValueError(f"--block-warmup {spec!r}: give BLOCK:STEPS,..., e.g. 1:500,4:300") from None
-        if c < 1 or n < 1:
-            raise ValueError(f"--block-warmup {spec!r}: {item!r} needs a block size >= 1 and steps >= 1")
-        out.append((c, n))
-    return out
-
-
-def block_size_at(cfg: TrainConfig, step: int) -> int:
-    """The BD3 block size of optimizer step `step`: LLaDA2.0's block-size warm-up (`block_warmup`: small blocks
-    first -- block 1 is next-token prediction from a clean left context, the AR objective in the diffusion model's
-    own no-shift form -- then larger ones), then `block_size`. A window length is a multiple of every block size
-    used (checked when the run starts)."""
-    at = 0
-    for c, n in parse_block_warmup(cfg.block_warmup):
-        at += n
-        if step < at:
-            return c
-    return cfg.block_size
-
-
-def code_rows_for_step(windows, cfg, step: int) -> list:
-    """The examples of step `step` on the code task: [(ids, prompt length P)], each a training window
-    (`dblock.tasks.code_corpus.TrainWindows`) with P uniform in [1, L/2], cut to P plus a whole number of canvases
-    (so that no canvas is padded with an <eos> the file does not have). A pure function of (seed, step)."""
-    import numpy as np
-
-    B, L, C = cfg.batch_size, cfg.window, cfg.block_size
-    rng = np.random.default_rng(_step_seed(cfg.seed, step, 3))
-    rows = []
-    for _ in range(B):
-        w = windows.window(rng)
-        P = int(rng.integers(1, L // 2 + 1))
-        rows.append((w[:P + (L - P) // C * C], P))
-    return rows
-
-
-def add_noise(x0: torch.Tensor, prompt: torch.Tensor, mask_id: int, eps: float, gen: torch.Generator):
-    """Masked-diffusion forward process. Returns x_t, masked (B, L) bool, p (B,) fp32."""
-    B, L = x0.shape
-    u = torch.rand((), generator=gen)
-    t = (u + torch.arange(B, dtype=torch.float32)) / B            # stratified over the batch, in [0, 1)
-    t = t[torch.randperm(B, generator=gen)]
-    p = (1 - eps) * t + eps                                        # (B,)
-    masked = (torch.rand(B, L, generator=gen) < p[:, None]) & ~prompt
-    xt = torch.where(masked, torch.full_like(x0, mask_id), x0)
-    return xt, masked, p
-
-
-def diffusion_loss(model, x0, xt, masked, p, prompt, taps=None, warm=None, block_size=None):
-    """LLaDA SFT loss with the BD3 mask: mean over examples of sum_masked CE/p / answer-region length.
-    `warm` (B,) long: per example the block trained with the warm-up view (`noisy_context_mask`), -1 none.
-    `block_size`: the BD3 block of this step (default the model's; see `block_size_at`)."""
-    B, L = x0.shape
-    C = block_size or model.config.block_size
-    tokens = torch.cat([xt, x0], dim=1)                                   # (B, 2L)
-    positions = torch.arange(L).repeat(2)[None].expand(B, 2 * L)          # (B, 2L)
-    if warm is None:
-        mask = bd3_mask(L, C)[None].expand(B, 2 * L, 2 * L)               # (B, 2L, 2L)
-    else:
-        mask = noisy_context_mask(L, C, warm)
-    hidden, _ = model(tokens, positions, mask, taps=taps)
-    rows = hidden[:, :L][masked]                                          # (M, H) masked noisy rows
-    logits = model.logits(rows)                                           # (M, V) fp32
-    ce = F.cross_entropy(logits, x0[masked], reduction="none")            # (M,)
-    ex = masked.nonzero(as_tuple=True)[0]                                 # example of each masked row
-    w = 1.0 / (p[ex] * (~prompt).sum(1).clamp(min=1)[ex].float())         # 1/p / answer-region length
-    loss = (ce * w).sum() / B
-    with torch.no_grad():
-        acc = (logits.argmax(-1) == x0[masked]).float().mean() if ce.numel() else torch.tensor(0.0)
-        raw = ce.mean() if ce.numel() else torch.tensor(0.0)
-    return loss, {"ce": float(raw), "acc": float(acc), "masked": int(masked.sum())}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# expert load balancing
-# ---------------------------------------------------------------------------------------------------------------
-
-def expert_loads(model, taps: dict) -> torch.Tensor:
-    """(n_moe_layers, E) int64 counts of (token, expert) assignments of the last forward."""
-    E = model.config.num_experts
-    return torch.stack([torch.bincount(ids.reshape(-1), minlength=E) for ids in taps.get("topk_ids", [])])
-
-
-def update_expert_bias(model, loads: torch.Tensor, u: float) -> None:
-    """DeepSeek-V3 aux-loss-free update: bias_e += u * sign(mean load - load_e), per MoE layer."""
-    if u <= 0:
-        return
-    moes = [layer.mlp for layer in model.layers if layer.is_moe]
-    with torch.no_grad():
-        for moe, load in zip(moes, loads):
-            load = load.float()
-            moe.expert_bias += u * torch.sign(load.mean() - load)
-
-
-def balance_stats(loads: torch.Tensor) -> dict:
-    """Per MoE layer: max/mean load and coefficient of variation, from (n_layers, E) counts."""
-    loads = loads.double()
-    mean = loads.mean(1, keepdim=True).clamp(min=1e-12)
-    frac = loads / loads.sum(1, keepdim=True).clamp(min=1e-12)
-    return {"max_over_mean": [round(float(x), 3) for x in (loads.max(1).values / mean[:, 0])],
-            "min_over_mean": [round(float(x), 3) for x in (loads.min(1).values / mean[:, 0])],
-            "cv": [round(float(x), 3) for x in (loads.std(1) / mean[:, 0])],
-            "fraction": [[round(float(v), 4) for v in row] for row in frac]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -523,7 +139,7 @@ def eval_during_training(model, task, tok: CharTokenizer, cfg: TrainConfig, step
     family's default rule (threshold 0.95 for llada2_moe, entropy-bound seed 0 for diffusion_gemma; reference
     executor, native schedule), as `dblock eval` does. The training RNG state and mode are restored, so a run with
     evaluations has the same weights as one without."""
-    from dblock.config import DecodeConfig
+    from dblock.decoding.params import DecodeConfig
     from dblock.tasks.evaluate import evaluate
     rule = "entropy-bound" if cfg.family == "diffusion_gemma" else "threshold"
     rng = torch.get_rng_state()
@@ -551,39 +167,6 @@ def eval_during_training(model, task, tok: CharTokenizer, cfg: TrainConfig, step
             "passes_per_block_mean": round(r["passes_per_block_mean"], 3),
             "passes_per_block_mean_by_kind": {k: round(v, 3) for k, v in r["passes_per_block_mean_by_kind"].items()},
             "eval_s": round(time.perf_counter() - t0, 1)}
-
-
-def reproduce_command(cfg: TrainConfig, total: int) -> str:
-    """The `dblock train-tiny` command that reproduces this run bit for bit (fixed --steps, no --minutes)."""
-    parts = ["dblock", "train-tiny", "--family", cfg.family, "--out", cfg.out, "--size", cfg.size,
-             "--task", cfg.task, "--steps", str(total), "--seed", str(cfg.seed), "--batch-size", str(cfg.batch_size),
-             "--lr", str(cfg.lr), "--warmup", str(cfg.warmup), "--block-size", str(cfg.block_size)]
-    if cfg.add_digits:
-        parts += ["--add-digits", "{},{}".format(*cfg.add_digits)]
-    if cfg.rev_len:
-        parts += ["--rev-len", "{},{}".format(*cfg.rev_len)]
-    if cfg.div_digits:
-        parts += ["--div-digits", "{},{}".format(*cfg.div_digits)]
-    if cfg.bias_update != TrainConfig.bias_update:
-        parts += ["--bias-update", str(cfg.bias_update)]
-    if cfg.min_lr_frac != TrainConfig.min_lr_frac:
-        parts += ["--min-lr-frac", str(cfg.min_lr_frac)]
-    if cfg.curriculum_steps:
-        parts += ["--curriculum-steps", str(cfg.curriculum_steps), "--curriculum-start", str(cfg.curriculum_start)]
-    if cfg.noisy_context:
-        parts += ["--noisy-context", str(cfg.noisy_context)]
-    if cfg.init_from:
-        parts += ["--init-from", cfg.init_from]
-    if is_code_task(cfg.task):
-        parts += ["--window", str(cfg.window)]
-        parts += ["--tokenizer", cfg.tokenizer] if cfg.tokenizer else ["--vocab-size", str(cfg.vocab_size)]
-    if cfg.fused_attention:
-        parts += ["--fused-attention"]
-    if cfg.block_warmup:
-        parts += ["--block-warmup", cfg.block_warmup]
-    if cfg.save_dtype:
-        parts += ["--save-dtype", cfg.save_dtype]
-    return " ".join(shlex.quote(p) for p in parts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -632,26 +215,10 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = No
         raise
 
 
-def init_from_model(model: torch.nn.Module, source: str) -> None:
-    """Copy the weights (and the expert bias) of the model at `source` into `model`; a ConfigError naming the
-    first differing config field when the two are not the same architecture."""
-    from dblock.errors import ConfigError
-    from dblock.weights import load
-    src = load(source)
-    a, b = src.config, model.config
-    for field in ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                  "moe_intermediate_size"):
-        if getattr(a, field, None) != getattr(b, field, None):
-            raise ConfigError(f"--init-from {source}: {field} is {getattr(a, field, None)!r} there, "
-                              f"{getattr(b, field, None)!r} for this run (family and --size must match)")
-    model.load_state_dict(src.state_dict())
-
-
 def _run_folder(out: str, resume: bool, overwrite: bool) -> tuple:
     """(the folder the run writes its checkpoints in, whether it is a staging folder beside `out`)."""
     from dblock.errors import ConfigError
-    from dblock.weights import check_out_dir, new_dir
+    from dblock.weights_write import check_out_dir, new_dir
     if resume:
         if overwrite:
             raise ConfigError(f"--overwrite with --resume: --resume continues the run in {out}, --overwrite "
@@ -803,45 +370,6 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
         log(f"train-tiny: done, {step} steps in {elapsed / 60:.1f} min; wrote {cfg.out} "
             f"(reproduce: {summary['reproduce']})")
     elif staged:                      # stopped early: the checkpoint alone replaces DIR
-        from dblock.weights import publish
+        from dblock.weights_write import publish
         publish(run_dir, cfg.out, overwrite=True)
     return summary
-
-
-def _is_weights(name: str) -> bool:
-    return name.endswith(".safetensors") or name == "model.safetensors.index.json"
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def export(model, out: str, tok, extra: Optional[dict] = None, carry_from: Optional[str] = None,
-           overwrite: bool = False, storage_dtype: Optional[str] = None) -> None:
-    """The HF folder `out`, written all or nothing (`dblock.weights.staged_folder`): config.json + model.safetensors
-    (+ the files transformers reads, e.g. DiffusionGemma's generation_config.json), tokenizer.json +
-    tokenizer_config.json and `extra` ({name: text}).
-
-    `carry_from`: a folder whose other entries (the run's train_state.pt, a model card) are carried into the new
-    folder -- never weights (*.safetensors, the index) nor anything the export writes itself, nor *.tmp leftovers.
-    `out` must be missing or empty unless `overwrite` (then the whole folder is replaced)."""
-    from dblock.tiny import hf_files
-    from dblock.weights import staged_folder, write_model
-    model.eval()
-    with staged_folder(out, overwrite) as tmp:
-        write_model(model, tmp, extra_files={**hf_files(model), **(extra or {})}, storage_dtype=storage_dtype)
-        tok.save(tmp)
-        if carry_from is not None and os.path.isdir(carry_from):
-            for name in sorted(os.listdir(carry_from)):
-                src, dst = os.path.join(carry_from, name), os.path.join(tmp, name)
-                if _is_weights(name) or name.endswith(".tmp") or os.path.lexists(dst):
-                    continue
-                if os.path.islink(src):
-                    os.symlink(os.readlink(src), dst)
-                elif os.path.isdir(src):
-                    shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
-                else:
-                    _link_or_copy(src, dst)

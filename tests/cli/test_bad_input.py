@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.weights_path import CHECKPOINTS_DIR
 from tests.fuzz.harness import check_contract, run_cli
 
 SEED = str(2 ** 64)
@@ -198,7 +198,7 @@ def _byte_tokenizer():
 
 
 def test_encode_prompt_never_makes_control_tokens_from_text():
-    from dblock.cli_args import load_tokenizer
+    from dblock.prompts import load_tokenizer
     from dblock.tasks.tokenizer import CharTokenizer, PromptError, encode_prompt
 
     byte = _byte_tokenizer()

@@ -4,9 +4,9 @@ import json
 import pytest
 
 from dblock.cli import main
-from dblock.compare import compare_schedules, derive
-from dblock.config import DecodeConfig
+from dblock.decoding.compare import compare_schedules, derive
 from dblock.decoding.generate import reference_forward
+from dblock.decoding.params import DecodeConfig
 from dblock.simulator.oba import fit_alpha
 from dblock.tiny import make_tiny_model
 
@@ -56,7 +56,7 @@ def _row(name, Y, Q, F, K):
 
 
 def test_paired_bootstrap_intervals():
-    from dblock.compare import paired_bootstrap
+    from dblock.decoding.compare import paired_bootstrap
     # requests of very different lengths; the schedule saves exactly one pass in every request of 3 blocks
     Y = [16, 48, 16, 48, 48, 16] * 5
     Kb = [1, 3, 1, 3, 3, 1] * 5
@@ -74,7 +74,7 @@ def test_paired_bootstrap_intervals():
     # different request sets cannot be paired: no interval rather than a wrong one
     assert paired_bootstrap(_row("x", Y[:5], Y[:5], Fb[:5], Kb[:5]), base) == {}
     # derive attaches them to every non-native row and the table prints them
-    from dblock.compare import format_table
+    from dblock.decoding.compare import format_table
     rows = derive([base, oba])
     assert "TPF_ratio_ci" in rows[1] and "TPF_ratio_ci" not in rows[0]
     dlo, dhi = rows[1]["TPF_ratio_ci"]

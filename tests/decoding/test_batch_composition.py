@@ -13,8 +13,8 @@ flip. The documented contract, tested here:
 import torch
 
 import dblock
-from dblock.config import DecodeConfig
 from dblock.decoding.generate import generate
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import StepInput, block_causal
 from dblock.families import reference_forward
 from dblock.tasks import CharTokenizer, get_task

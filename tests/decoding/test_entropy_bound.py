@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.decoding.entropy_bound import (UniformRule, entropy_bound_accept, pad_after_eos, stable_and_confident,
                                             temperature, token_entropy, transformers_tpf)
 

@@ -3,8 +3,8 @@ ablations, FlowBlock's later blocks) decodes nothing before promotion (docs/algo
 schedule gives Native's tokens and passes, greedy or sampled, and only pays for the wider pass."""
 import pytest
 
-from dblock.config import DecodeConfig
 from dblock.decoding.generate import generate
+from dblock.decoding.params import DecodeConfig
 from dblock.tiny import make_tiny_model
 
 SCHEDULES = ["oba", "flowblock", "drop_time", "keep_signal", "keep_tokens", "no_accept", "no_signal"]

@@ -22,8 +22,8 @@ not to hit it.
 import pytest
 import torch
 
-from dblock.config import DecodeConfig
 from dblock.decoding.generate import generate
+from dblock.decoding.params import DecodeConfig
 from dblock.decoding.samplers import block_uniforms
 from dblock.tiny import make_tiny_model
 

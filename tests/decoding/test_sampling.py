@@ -6,9 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dblock.config import DecodeConfig
 from dblock.decoding.generate import generate, reference_forward
-from dblock.decoding.params import SamplingParams
+from dblock.decoding.params import DecodeConfig, SamplingParams
 from dblock.decoding.samplers import (MaskedBlock, filter_top_k, filter_top_p, inverse_cdf, masked_step,
                                       pass_uniforms, predict, sample, sampling_probs, threshold_commit,
                                       threshold_rule)

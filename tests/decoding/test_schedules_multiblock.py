@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import Segment, StepInput, block_causal, dense
 from dblock.reference.executor import LladaReference
 from dblock.decoding.generate import generate, reference_forward

@@ -1,8 +1,8 @@
 """Native schedule: layouts, EOS, counters by hand (scripted executor), and the llada_moe full-sequence layout."""
 import torch
 
-from dblock.config import DecodeConfig
 from dblock.decoding.generate import generate
+from dblock.decoding.params import DecodeConfig
 from tests.reference.scripted import ScriptedForward
 
 EOS = 14

@@ -8,13 +8,15 @@ import inspect
 
 import pytest
 
-from dblock.config import DecodeConfig
 from dblock.decoding.generate import generate
+from dblock.decoding.params import DecodeConfig
 from dblock.equivalence import faults as fl
 from dblock.equivalence.audit import AuditedEpochExecutor, audited_epoch_forward, instrumented_executor
 from dblock.equivalence.report import FAULTS
-from dblock.optimized import executor as ex_mod
 from dblock.optimized.executor import EpochExecutor, epoch_config, epoch_forward
+from dblock.optimized.moe_steps import MoeSteps
+from dblock.optimized.rows import LayerCall, Rows
+from dblock.optimized.stages import TorchStages
 from dblock.tiny import make_tiny_model
 
 MODEL = make_tiny_model("llada2_moe", seed=6, num_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2)
@@ -39,7 +41,7 @@ def test_every_fault_has_an_injector():
 
 
 def test_production_executor_carries_no_instrumentation():
-    src = "".join(inspect.getsource(c) for c in (EpochExecutor, ex_mod.LayerCall, ex_mod.TorchStages, ex_mod.Rows))
+    src = "".join(inspect.getsource(c) for c in (EpochExecutor, MoeSteps, LayerCall, TorchStages, Rows))
     for word in [*FAULTS, "inject", "self.audit", "self.taps"]:
         assert word not in src, word
     f = epoch_forward(MODEL, "epoch")

@@ -3,13 +3,13 @@ violation; a healthy executor on the same workload must pass."""
 import pytest
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.equivalence import invariants as inv
 from dblock.equivalence.audit import AuditedEpochExecutor, audited_epoch_forward
 from dblock.equivalence.report import FAULTS
 from dblock.equivalence.shadow import ShadowForward, shadow_generate
 from dblock.equivalence.verify import run_verify
-from dblock.optimized import executor as ex_mod
+from dblock.optimized import moe_steps
 from dblock.optimized.atlas import SupportResult
 from dblock.reference.executor import LladaReference
 from dblock.tiny import make_tiny_model
@@ -117,7 +117,7 @@ def test_lying_atlas_is_caught_by_the_independent_coverage_recheck(monkeypatch):
             out.append(SupportResult(s, True, 0, 0))
             a += n
         return out
-    monkeypatch.setattr(ex_mod, "build_supports", lying_builds)
+    monkeypatch.setattr(moe_steps, "build_supports", lying_builds)
     # B < E so that supports are built at all (with B >= E the support is every expert and nothing is built)
     sh = ShadowForward(audited_epoch_forward(MODEL, "epoch", atlas_B=MODEL.config.num_experts_per_tok),
                        LladaReference(MODEL))

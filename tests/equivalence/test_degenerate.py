@@ -3,7 +3,7 @@ invariance — and each check can fail (a check that cannot fail proves nothing)
 import pytest
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.equivalence import degenerate as dg
 from dblock.decoding.generate import generate, reference_forward
 from dblock.tiny import make_tiny_model

@@ -199,8 +199,8 @@ def test_commit_all_and_single_row():
 # ---- entropy-bound rule: the decision check under shared randomness ------------------------------------------------
 
 def test_entropy_bound_check_shares_randomness_and_detects_changes():
-    from dblock.config import DecodeConfig
     from dblock.decoding.entropy_bound import UniformRule
+    from dblock.decoding.params import DecodeConfig
 
     class Cfg:
         vocab_size, eos_token_id, pad_token_id = 16, 1, 0

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.equivalence.audit import audited_epoch_forward
 from dblock.equivalence.report import shadow_section
 from dblock.equivalence.shadow import ShadowForward, shadow_generate

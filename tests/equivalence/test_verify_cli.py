@@ -7,7 +7,7 @@ import pytest
 
 from dblock.cli import main
 from dblock.equivalence.cli import read_prompts
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.weights_path import CHECKPOINTS_DIR
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_bundled_model_verifies_clean(capsys):
 
 def test_the_liveness_probe_drops_the_threshold_rules_own_options():
     """A model whose card decodes with LLaDA2.0's steps S (threshold rule) still gets its fixed-k probe."""
-    from dblock.config import DecodeConfig
+    from dblock.decoding.params import DecodeConfig
     from dblock.equivalence.verify import probe_decode
     p = probe_decode(DecodeConfig(max_new_tokens=64, threshold_steps=8), 32).validate()
     assert (p.rule, p.steps, p.threshold_steps, p.max_new_tokens) == ("fixed-k", 32, None, 64)

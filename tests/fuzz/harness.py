@@ -18,7 +18,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.weights_path import CHECKPOINTS_DIR
 
 #: files whose names in a message say which input was bad
 CULPRIT_FILES = ("config.json", "tokenizer.json", "safetensors", "card.json")

@@ -185,7 +185,7 @@ def _workdir() -> str:
     a config-only model folder and one with a broken config.json."""
     import os
 
-    from dblock.weights import CHECKPOINTS_DIR
+    from dblock.weights_path import CHECKPOINTS_DIR
     d = tempfile.mkdtemp(prefix="dblock-fuzz-")
     open(os.path.join(d, "afile"), "w").close()
     os.mkdir(os.path.join(d, "full"))

@@ -17,7 +17,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.weights_path import CHECKPOINTS_DIR
 from tests.fuzz.harness import check_contract, run_cli
 from tests.fuzz.test_cli_fuzz import SETTINGS, TIME_BOUND
 

@@ -259,8 +259,8 @@ class _Log(logging.Handler):
 def server(tmp_path_factory):
     """(base url, log handler, httpx client) of one server over a random tiny model, for the whole module."""
     import dblock
-    from dblock.cli_args import load_tokenizer
-    from dblock.config import DecodeConfig
+    from dblock.prompts import load_tokenizer
+    from dblock.decoding.params import DecodeConfig
     from dblock.serving.chat import load_chat_template
     from dblock.serving.engine import Engine, EngineConfig
     from dblock.serving.protocol import Limits

@@ -78,7 +78,7 @@ def test_model_ids_are_a_folder_or_one_error_and_no_invalid_revision_reaches_the
     import huggingface_hub
     from huggingface_hub.utils import validate_repo_id
 
-    from dblock.weights import resolve_model_path
+    from dblock.weights_path import resolve_model_path
     monkeypatch.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf")))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     asked = []

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import dblock
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import Segment, StepInput
 from dblock.kernels.stack import TritonStages
-from dblock.optimized.executor import TorchStages, epoch_forward
+from dblock.optimized.executor import epoch_forward
+from dblock.optimized.stages import TorchStages
 from dblock.decoding.generate import generate
 from dblock.tiny import make_tiny_model
 

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from dblock import notebooks_render as nr
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.weights_path import CHECKPOINTS_DIR
 
 EXPECTED = ["01_block_diffusion.ipynb", "02_epoch_two_clocks.ipynb", "03_one_block_ahead.ipynb",
             "04_capacity_planning.ipynb"]

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import Forward
 from dblock.optimized.ep import (DistributedRunError, EPDispatcher, bounds, comm_summary, plan_layout, row_bytes,
                                  run_distributed, wire_counts)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.equivalence.audit import audited_epoch_forward
 from dblock.forward import Segment, StepInput, block_causal
 from dblock.optimized.executor import epoch_forward
@@ -263,7 +263,7 @@ def test_a_building_block_routes_with_every_expert_and_its_candidates_are_that_c
     """On the pass that builds a block's support the block's rows are routed with every expert (the plain router,
     bit for bit), the build's first K candidates are exactly those ids, and the candidate lists equal the ones
     computed from scratch; the new support restricts the block's routing from its next pass (audited)."""
-    from dblock.optimized import executor as X
+    from dblock.optimized import moe_steps as X
     from dblock.optimized.atlas import candidates, route_restricted
     m = make_tiny_model("llada2_moe", seed=6, num_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2)
     f = audited_epoch_forward(m, "epoch", refresh=3, update_every=2, path=path)

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dblock.config import DecodeConfig
 from dblock.decoding.generate import generate
+from dblock.decoding.params import DecodeConfig
 from dblock.equivalence import invariants as inv
 from dblock.equivalence.audit import audited_epoch_forward
 from dblock.forward import Segment, StepInput, block_causal

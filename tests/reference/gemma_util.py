@@ -6,13 +6,13 @@ import os
 
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import Segment, StepInput, block_causal
 from dblock.reference.gemma_config import FULL, SLIDING
 from dblock.reference.gemma_executor import GemmaReference
 from dblock.reference.gemma_tiny import make_tiny_gemma
 from dblock.tiny import save_for_transformers
-from dblock.weights import ALIGN
+from dblock.weights_read import ALIGN
 
 # Random tiny configs covering the structural variants (overrides of dblock.reference.gemma_tiny.TINY_GEMMA).
 TINY_CONFIGS = {

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from dblock.config import ConfigError, DecodeConfig, llada_config_from_dict, load_config
+from dblock.config import ConfigError, llada_config_from_dict, load_config
+from dblock.decoding.params import DecodeConfig
 
 # LLaDA2.0-mini config.json values (docs/models.md, third-party fixture copies)
 MINI = {

@@ -78,7 +78,7 @@ def test_real_llada_configs_valid():
 
 
 def test_train_tiny_configs_valid():
-    from dblock.tasks.train import LLADA2_SIZES, llada2_config
+    from dblock.tasks.train_config import LLADA2_SIZES, llada2_config
     from dblock.tasks.train_uniform import GEMMA_SIZES, gemma_config
     for size in LLADA2_SIZES:
         llada2_config(size)

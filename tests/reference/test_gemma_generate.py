@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dblock
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.tiny import save_for_transformers
 from dblock.decoding.entropy_bound import transformers_tpf_of
 from dblock.decoding.generate import generate

@@ -13,14 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dblock
-from dblock.config import ConfigError, DecodeConfig, load_config
+from dblock.config import ConfigError, load_config
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import StepInput, block_causal
 from dblock.reference.gemma_config import FULL, SLIDING, GemmaConfig
 from dblock.reference.gemma_executor import GemmaReference
 from dblock.reference.gemma_tiny import make_tiny_gemma, tiny_gemma_config
 from dblock.tiny import save_for_transformers
 from dblock.decoding.generate import generate
-from dblock.weights import WeightsError
+from dblock.errors import WeightsError
 from tests.conftest import tol
 from tests.reference.gemma_util import (TINY_CONFIGS, canvas_segment, fixed_segment, hf_generate, hf_twin, make_exact,
                                         make_ours, one_thread, teacher_forced)
@@ -379,7 +380,7 @@ def test_bundled_folders_run_unchanged_in_transformers_generate(name):
 
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from dblock.weights import CHECKPOINTS_DIR
+    from dblock.weights_path import CHECKPOINTS_DIR
     folder = os.path.join(CHECKPOINTS_DIR, name)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         pytest.fail(f"{folder}: the bundled model is missing")

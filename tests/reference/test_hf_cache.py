@@ -14,7 +14,7 @@ import dblock
 from dblock.config import ConfigError, llada_config_from_dict, load_config
 from dblock.errors import WeightsError
 from dblock.tiny import make_tiny, make_tiny_model
-from dblock.weights import CHECKPOINTS_DIR, hf_cache_dir, model_family, resolve_model_path
+from dblock.weights_path import CHECKPOINTS_DIR, hf_cache_dir, model_family, resolve_model_path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 COMMIT_V1 = "fedcba9876543210fedcba9876543210fedcba98"

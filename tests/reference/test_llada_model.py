@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import dblock
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import Segment, StepInput, block_causal
 from dblock.reference.executor import LladaReference
 from dblock.decoding.generate import generate

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import dblock
-import dblock.weights as W
+import dblock.weights_read as WR
+import dblock.weights_write as WW
 from dblock.errors import ConfigError, DblockError, OutputExistsError, WeightsError
-from dblock.tasks.train import STATE_FILE, TrainConfig, train
+from dblock.tasks.train import STATE_FILE, train
+from dblock.tasks.train_config import TrainConfig
 from dblock.tiny import make_tiny, make_tiny_model
 
 
@@ -82,7 +84,7 @@ def _umask() -> int:
 
 def test_non_empty_folder_refused_before_anything(tmp_path, model, old, monkeypatch):
     before = snapshot(old)
-    monkeypatch.setattr(W, "export", lambda m: pytest.fail("exported before the folder was checked"))
+    monkeypatch.setattr(WW, "export", lambda m: pytest.fail("exported before the folder was checked"))
     with pytest.raises(OutputExistsError) as e:
         dblock.save(model, str(old))
     msg = str(e.value)
@@ -180,7 +182,7 @@ def test_failed_swap_is_rolled_back(tmp_path, model, old, monkeypatch):
 
     def rename(src, dst):
         calls.append((os.path.basename(src), os.path.basename(dst)))
-        if os.path.basename(src).startswith(W.STAGE_PREFIX) and len(calls) > 1:
+        if os.path.basename(src).startswith(WW.STAGE_PREFIX) and len(calls) > 1:
             raise OSError(errno.EIO, "I/O error")
         return real(src, dst)
     monkeypatch.setattr(os, "rename", rename)
@@ -364,7 +366,7 @@ def test_index_entries_cannot_leave_the_folder(tmp_path, sharded, kind, monkeypa
     if kind == "dir_symlink":
         os.symlink(tmp_path, sharded / "sub")
     key = _set_entry(sharded, name)
-    monkeypatch.setattr(W, "safe_open", lambda path, *a, **k: pytest.fail(f"read {path}"))
+    monkeypatch.setattr(WR, "safe_open", lambda path, *a, **k: pytest.fail(f"read {path}"))
     with pytest.raises(WeightsError) as e:
         dblock.load(str(sharded))
     msg = str(e.value)
@@ -379,7 +381,7 @@ def test_single_file_symlink_out_of_the_folder(tmp_path, monkeypatch):
     dblock.save(make_tiny_model("llada2_moe", seed=4), str(d))
     os.replace(d / "model.safetensors", tmp_path / "elsewhere.safetensors")
     os.symlink(tmp_path / "elsewhere.safetensors", d / "model.safetensors")
-    monkeypatch.setattr(W, "safe_open", lambda path, *a, **k: pytest.fail(f"read {path}"))
+    monkeypatch.setattr(WR, "safe_open", lambda path, *a, **k: pytest.fail(f"read {path}"))
     with pytest.raises(WeightsError, match=f"{d / 'model.safetensors'}: 'model.safetensors' is a symlink to "):
         dblock.load(str(d))
 

@@ -8,10 +8,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dblock
+from dblock.errors import WeightsError
 from dblock.families import FAMILIES
 from dblock.reference.gemma_tiny import make_tiny_gemma
 from dblock.tiny import make_tiny_model
-from dblock.weights import WeightsError, expected, export, stream_tensors
+from dblock.weights import export
+from dblock.weights_read import expected, stream_tensors
 
 LLADA_VARIANTS = [("llada2_moe", {}), ("llada2_moe", dict(use_qk_norm=False, use_expert_bias=False,
                                                           num_shared_experts=0, first_k_dense_replace=0)),
@@ -149,7 +151,7 @@ def test_loaded_tensors_sit_in_aligned_memory(tmp_path, family):
     """Every tensor the loader yields, and every parameter of the loaded model, starts on a 64-byte boundary (a file
     can place a tensor anywhere: a one-row linear over a misaligned weight may round differently on AVX-512)."""
     from safetensors import safe_open
-    from dblock.weights import ALIGN
+    from dblock.weights_read import ALIGN
     m = make_tiny_model(family, seed=2)
     dblock.save(m, str(tmp_path / "m"))
     f = str(tmp_path / "m" / "model.safetensors")

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dblock
+from dblock.errors import WeightsError
 from dblock.tiny import make_tiny_model
-from dblock.weights import WeightsError
 
 
 @pytest.mark.parametrize("family", ["llada2_moe", "llada_moe"])
@@ -125,7 +125,7 @@ def test_save_is_atomic_on_failure(tmp_path, monkeypatch):
     dest = tmp_path / "dest"
     dblock.save(m, str(dest))
     before = (dest / "model.safetensors").read_bytes()
-    import dblock.weights as W
+    import dblock.weights_write as W
 
     def boom(*a, **k):
         raise OSError("disk full")

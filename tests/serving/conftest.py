@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.forward import Forward
 
 DEC = DecodeConfig(max_new_tokens=16)
@@ -32,7 +32,7 @@ def model(model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(model):
-    from dblock.cli_args import load_tokenizer
+    from dblock.prompts import load_tokenizer
     return load_tokenizer(model)
 
 

@@ -10,8 +10,7 @@ import threading
 import httpx
 import pytest
 
-from dblock.config import DecodeConfig
-from dblock.decoding.params import SamplingParams
+from dblock.decoding.params import DecodeConfig, SamplingParams
 
 from .conftest import make_forward, offline, running_server
 
@@ -28,7 +27,7 @@ UNSURE = "rev 31415926535="
 def masked():
     """(model, tokenizer) of the bundled tiny-masked."""
     import dblock
-    from dblock.cli_args import load_tokenizer
+    from dblock.prompts import load_tokenizer
     m = dblock.load("tiny-masked", dtype="float32")
     return m, load_tokenizer(m)
 

@@ -53,10 +53,11 @@ def test_the_demo_remeasures_a_profile_of_other_executor_code(tmp_path, monkeypa
     import numpy as np
 
     from dblock.simulator import profiler
+    from dblock.simulator.fingerprint import code_fingerprint
     from dblock.simulator.profile import OpTable, Profile
     path = str(tmp_path / "p.json")
     t = OpTable.from_samples("epoch_moe", ["rows"], [[1, 2]], np.ones((2, 1)), [True])
-    Profile(dict(anchor={"x": 1.0}, code=profiler.code_fingerprint()), {"epoch_moe": t}).save(path)
+    Profile(dict(anchor={"x": 1.0}, code=code_fingerprint()), {"epoch_moe": t}).save(path)
     measured = []
 
     class Stub:
@@ -65,9 +66,9 @@ def test_the_demo_remeasures_a_profile_of_other_executor_code(tmp_path, monkeypa
 
         def run(self, *a):
             measured.append(1)
-            return Profile(dict(anchor={"x": 1.0}, code=profiler.code_fingerprint()), {"epoch_moe": t})
+            return Profile(dict(anchor={"x": 1.0}, code=code_fingerprint()), {"epoch_moe": t})
     monkeypatch.setattr(profiler, "Profiler", Stub)
-    assert demo._profile_for("m", None, path, True).meta["code"] == profiler.code_fingerprint() and not measured
+    assert demo._profile_for("m", None, path, True).meta["code"] == code_fingerprint() and not measured
     Profile(dict(anchor={"x": 1.0}, code="0" * 16), {"epoch_moe": t}).save(path)
     demo._profile_for("m", None, path, True)
-    assert measured == [1] and Profile.load(path).meta["code"] == profiler.code_fingerprint()
+    assert measured == [1] and Profile.load(path).meta["code"] == code_fingerprint()

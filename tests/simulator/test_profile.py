@@ -145,7 +145,7 @@ def test_profiler_writes_every_table_on_a_tiny_model(tmp_path):
     assert prof["attention"].axes == ["requests", "rows", "context"]
     assert prof["attention"].grid == [[1, 2], [2, 4, 8, 16, 32, 64], [8, 16]]
     assert prof.meta["model"]["n_moe_layers"] == len(m.config.moe_layers)
-    from dblock.simulator.profiler import code_fingerprint
+    from dblock.simulator.fingerprint import code_fingerprint
     assert prof.meta["code"] == code_fingerprint() and len(prof.meta["code"]) == 16
     for t in prof.tables.values():
         assert np.all(np.isfinite(t.median)) and t.median.shape == tuple(len(g) for g in t.grid)

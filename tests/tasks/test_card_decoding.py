@@ -5,7 +5,7 @@ import shutil
 
 from dblock.cli import main
 from dblock.tasks.card import decoding_of
-from dblock.weights import resolve_model_path
+from dblock.weights_path import resolve_model_path
 
 
 def _eval(capsys, *argv):

@@ -50,7 +50,7 @@ def test_another_sympy_version_is_one_error_naming_both(monkeypatch):
 
 
 def _bundled_tokenizer_folder():
-    from dblock.weights import CHECKPOINTS_DIR
+    from dblock.weights_path import CHECKPOINTS_DIR
     return os.path.join(CHECKPOINTS_DIR, "code-masked")
 
 

@@ -5,10 +5,10 @@ import pytest
 
 import dblock
 from dblock.cli import main
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.tasks import CharTokenizer, get_task
 from dblock.tasks.evaluate import TokenizerAdapter, evaluate
-from dblock.weights import resolve_model_path
+from dblock.weights_path import resolve_model_path
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ compared from the command line: full_compute gives the reference's tokens, reque
 import json
 
 from dblock.cli import main
-from dblock.config import DecodeConfig
+from dblock.decoding.params import DecodeConfig
 from dblock.tasks import get_task
 from dblock.tasks.evaluate import evaluate
 

@@ -7,8 +7,11 @@ import torch
 
 from dblock.tasks import CharTokenizer, get_task
 from dblock.tasks.bd3 import bd3_mask
-from dblock.tasks.train import (TrainConfig, add_noise, batch_for_step, build_model, expert_loads,
-                                llada2_config, lr_at, train, update_expert_bias)
+from dblock.tasks.train import lr_at, train
+from dblock.tasks.train_config import TrainConfig, llada2_config
+from dblock.tasks.train_data import add_noise, batch_for_step
+from dblock.tasks.train_loss import expert_loads, update_expert_bias
+from dblock.tasks.train_model import build_model
 
 
 def micro_cfg(out, **kw):

@@ -5,8 +5,10 @@ import os
 import torch
 
 from dblock.tasks.code_corpus import CodeTokenizer, TrainWindows
-from dblock.tasks.train import TrainConfig, code_batch_for_step, train
-from dblock.weights import CHECKPOINTS_DIR
+from dblock.tasks.train import train
+from dblock.tasks.train_config import TrainConfig
+from dblock.tasks.train_data import code_batch_for_step
+from dblock.weights_path import CHECKPOINTS_DIR
 
 TOKENIZER = os.path.join(CHECKPOINTS_DIR, "code-masked")
 
@@ -68,8 +70,10 @@ def test_resumed_code_run_equals_the_uninterrupted_one_and_bf16_export(tmp_path)
 def test_fused_attention_is_the_same_function_for_both_families():
     """--fused-attention computes the training loss through torch's scaled_dot_product_attention: the same value
     (within fp32 rounding) as the reference modules' explicit softmax attention, for both families' masks."""
-    from dblock.tasks.train import add_noise, build_model, diffusion_loss, set_fused_attention
-    from dblock.tasks.train import code_rows_for_step
+    from dblock.tasks.train_data import add_noise
+    from dblock.tasks.train_loss import diffusion_loss
+    from dblock.tasks.train_model import build_model, set_fused_attention
+    from dblock.tasks.train_data import code_rows_for_step
     from dblock.tasks.train_uniform import uniform_loss
     tok = CodeTokenizer.load(TOKENIZER)
     w = TrainWindows(tok, 64)
@@ -90,7 +94,7 @@ def test_fused_attention_is_the_same_function_for_both_families():
 
 
 def test_uniform_code_rows_end_on_a_canvas_boundary():
-    from dblock.tasks.train import code_rows_for_step
+    from dblock.tasks.train_data import code_rows_for_step
     cfg = code_cfg("x", family="diffusion_gemma", batch_size=16)
     w = TrainWindows(CodeTokenizer.load(TOKENIZER), cfg.window)
     rows = code_rows_for_step(w, cfg, 2)
@@ -103,7 +107,7 @@ def test_block_warmup_schedule_and_its_refusals(tmp_path):
     import pytest
 
     from dblock.tasks.bd3 import bd3_mask
-    from dblock.tasks.train import block_size_at
+    from dblock.tasks.train_data import block_size_at
     cfg = code_cfg("x", block_warmup="1:3,4:2")
     assert [block_size_at(cfg, s) for s in range(7)] == [1, 1, 1, 4, 4, 16, 16]
     # block 1 is next-token prediction: a noisy row sees the clean rows before it and itself only

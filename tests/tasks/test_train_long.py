@@ -7,9 +7,11 @@ import torch
 
 from dblock.tasks import CharTokenizer, get_task, solve
 from dblock.tasks.bd3 import bd3_mask
-from dblock.tasks.train import (TrainConfig, add_noise, batch_for_step, build_model, diffusion_loss,
-                                draw_warm_blocks, make_task, noisy_context_mask, reproduce_command, rows_for_step,
-                                init_from_model, task_for_step, train)
+from dblock.tasks.train import train
+from dblock.tasks.train_config import TrainConfig, reproduce_command
+from dblock.tasks.train_data import add_noise, batch_for_step, draw_warm_blocks, make_task, rows_for_step, task_for_step
+from dblock.tasks.train_loss import diffusion_loss, noisy_context_mask
+from dblock.tasks.train_model import build_model, init_from_model
 from dblock.errors import ConfigError
 from dblock.tasks.train_uniform import noisy_context_draw, uniform_loss
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from dblock.config import DecodeConfig
 from dblock.decoding.generate import generate
+from dblock.decoding.params import DecodeConfig
 from dblock.decoding.schedules import Request, schedule_spec
 from dblock.trace import TraceWriter
 

@@ -5,9 +5,11 @@ import json
 import os
 
 from dblock.cli_args import (MAX_BATCH, MAX_PROBLEMS, add_decode_args, add_executor_args, add_model_args,
-                             add_special_tokens_arg, check_fits, check_out_dir, check_seed_span, decode_config,
-                             encode_texts, int_arg, load_model, load_tokenizer, make_forward, model_config,
-                             resolve_max_new_tokens, schedule_from_args, seeds_arg)
+                             add_special_tokens_arg, int_arg, resolve_max_new_tokens, seeds_arg)
+from dblock.decoding.flags import check_fits, check_seed_span, decode_config, schedule_from_args
+from dblock.model_flags import load_model, make_forward, model_config
+from dblock.out_paths import check_out_dir
+from dblock.prompts import encode_texts, load_tokenizer
 
 
 def add_parser(sub) -> None:
@@ -101,7 +103,7 @@ def _prompts(args, folder, cfg):
 
 
 def run(args) -> int:
-    from dblock.compare import DEFAULT_SCHEDULES, compare_schedules, format_table
+    from dblock.decoding.compare import DEFAULT_SCHEDULES, compare_schedules, format_table
 
     from dblock.decoding.schedules import schedule_spec
 
@@ -140,6 +142,6 @@ def run(args) -> int:
     else:
         print(format_table(rows))
     if args.plot:
-        from dblock.compare import plot
+        from dblock.decoding.compare import plot
         plot(rows, args.plot)
     return 0

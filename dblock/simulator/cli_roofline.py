@@ -1,0 +1,222 @@
+"""`dblock simulate pass|serve|search`: the roofline cost of one pass (r of each layout, memory and OOM, Epoch vs
+dense) and the SimPy serving model over it (P95 ITL, TTFT and throughput against the request rate; the best batch
+cap under an ITL objective)."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from dblock.cli_args import float_arg, int_arg
+from dblock.out_paths import check_out_file
+from dblock.simulator.cli_common import _dist, _emit, _floats, _ints, _positive_floats
+
+
+def add_parsers(sub, common) -> None:
+    """The `simulate pass|serve|search` subcommands, added to `sub` (`common` adds --json and --seed)."""
+    ps = sub.add_parser("pass", help="roofline cost of one pass, r of each layout, memory/OOM, Epoch vs dense")
+    common(ps)
+    ps.set_defaults(_run=_pass)
+    ps.add_argument("--model", default="llada2-mini", help="llada2-mini, llada-moe-7b, or a model folder")
+    ps.add_argument("--hardware", default="h100", help="h100, h200, b200, gb300, a100, cpu or a profile .json")
+    ps.add_argument("--tp", type=int_arg(1, 4096), default=8, help="tensor-parallel ranks (default 8)")
+    ps.add_argument("--ep", type=int_arg(1, 4096), default=8, help="expert-parallel ranks (default 8)")
+    ps.add_argument("--sp", type=int_arg(1, 4096), default=8, help="sequence-parallel ranks (default 8)")
+    ps.add_argument("--batch", default="1,32,64,128,256,512", help="comma-separated batch sizes")
+    ps.add_argument("--cache-len", type=float_arg(0.0, 1e8), default=512.0,
+                    help="committed prefix per request (tokens)")
+    ps.add_argument("--calibration", default="fig2",
+                    help="'fig2' (fit on the Epoch paper's Figure 2), 'none' (pure roofline) or OVERHEAD_S,MOE_ROW_S")
+    ps.add_argument("--max-context", type=int_arg(1, 1 << 26), default=4096,
+                    help="KV cache tokens reserved per request")
+    ps.add_argument("--plot", default=None, metavar="PNG", help="write the Epoch/dense speedup-vs-batch plot")
+
+    sv = sub.add_parser("serve", help="SimPy serving model: P95 ITL, TTFT, throughput vs request rate")
+    common(sv)
+    sv.set_defaults(_run=_serve)
+    _serve_args(sv)
+    sv.add_argument("--rates", default="6,10,14,18,22,26", help="comma-separated Poisson rates (req/s)")
+    sv.add_argument("--arrivals", default=None,
+                    help="trace-driven arrivals: a file of arrival times in seconds (one per line, or a JSON list)")
+    sv.add_argument("--plot", default=None, metavar="PNG", help="write P95 ITL vs rate to this file")
+
+    se = sub.add_parser("search", help="highest request rate holding a P95 ITL SLO, and the best batch cap")
+    common(se)
+    se.set_defaults(_run=_search)
+    _serve_args(se)
+    se.add_argument("--slo", type=float, required=True,
+                    help="P95 equivalent ITL objective (seconds)")
+    se.add_argument("--caps", default="32,64,128,256,512", help="batch caps to try (comma-separated)")
+    se.add_argument("--rate-max", type=float_arg(0.0, 1e6, lo_open=True), default=64.0,
+                    help="upper end of the rate bisection (req/s)")
+
+
+def _serve_args(sp):
+    sp.add_argument("--model", default="llada2-mini", help="llada2-mini, llada-moe-7b, or a model folder")
+    sp.add_argument("--hardware", default="h100", help="h100, h200, b200, gb300, a100, cpu or a profile .json")
+    sp.add_argument("--tp", type=int_arg(1, 4096), default=8, help="tensor-parallel ranks (default 8)")
+    sp.add_argument("--ep", type=int_arg(1, 4096), default=8, help="expert-parallel ranks (default 8)")
+    sp.add_argument("--sp", type=int_arg(1, 4096), default=8, help="sequence-parallel ranks (default 8)")
+    sp.add_argument("--calibration", default="fig2",
+                    help="'fig2', 'none' or OVERHEAD_S,MOE_ROW_S (see `simulate pass`)")
+    sp.add_argument("--scale", type=float_arg(0.0, 1e6, lo_open=True), default=1.0,
+                    help="multiply every pass time (the CPU scale fitted by `simulate calibrate`; default 1)")
+    sp.add_argument("--path", default="both", choices=["dense", "epoch", "both"], help="executor path(s) to model")
+    sp.add_argument("--schedule", default="native", choices=["native", "oba"], help="decoding schedule")
+    sp.add_argument("--batch-cap", type=int_arg(1, 1 << 20), default=256, help="most requests running at once")
+    sp.add_argument("--prompt", default="const:256", help="prompt-length distribution (e.g. lognormal:256,0.5)")
+    sp.add_argument("--tokens", default="lognormal:256,0.5", help="response-length distribution")
+    sp.add_argument("--passes", default="gamma:10,0.3", help="Native passes-per-block distribution")
+    sp.add_argument("--requests", type=int_arg(1, 1_000_000), default=300, help="requests per simulated run")
+
+
+def _calibration(text: str, cache_len: float = 512.0):
+    from dblock.simulator import cost, papers
+    if text == "fig2":
+        return papers.fig2_calibration(papers.epoch_setup(cache_len))["cal"]
+    if text == "none":
+        return cost.Calibration()
+    try:
+        vals = _floats(text)
+    except ValueError:
+        vals = []
+    if len(vals) != 2 or min(vals) < 0:
+        raise ValueError(f"--calibration {text!r}: expected fig2, none, or OVERHEAD_S,MOE_ROW_S (two numbers >= 0)")
+    return cost.Calibration(overhead_s=vals[0], moe_row_s=vals[1])
+
+
+def _setup(args):
+    from dblock.simulator import cost, hardware
+    return cost.get_model(args.model), hardware.get(args.hardware), cost.Parallel(args.tp, args.ep, args.sp)
+
+
+def _pass(args) -> int:
+    from dblock.simulator import cost, papers
+    if args.plot:
+        check_out_file(args.plot, "--plot")
+    cfg, hw, par = _setup(args)
+    cal = _calibration(args.calibration, args.cache_len)
+    setup = papers.EpochSetup(cfg, hw, par, args.cache_len)
+    fig2 = None
+    if args.calibration == "fig2":
+        fig2 = papers.fig2_calibration(setup)
+        fig2 = dict(fit=fig2["fit"], targets=fig2["targets"], roofline_batch1_s=fig2["roofline_batch1_s"])
+    rows = papers.epoch_batch_trend(cal, _ints(args.batch, "--batch"), setup, max_context=args.max_context)
+    rs = {lay: cost.r_of(cfg, lay, hw, par, cal, cache_len=args.cache_len) for lay in ("oba", "dense_mask", "native2c")}
+    data = dict(model=args.model, hardware=hw.name, parallel=vars(par), calibration=vars(cal), r_batch1=rs, rows=rows,
+                fig2=fig2)
+    lines = [f"{hw.name}, TP={par.tp} EP={par.ep} SP={par.sp}, calibration {vars(cal)}"]
+    if fig2:
+        f, t = fig2["fit"], fig2["targets"]
+        lines.append(f"Figure 2 fit: batch-1 pass {1e3 * f['t_batch1']:.1f} ms (paper {1e3 * t['t_batch1']:.1f}), "
+                     f"MoE share {100 * f['moe_share_batch1']:.1f}% (paper {100 * t['moe_share_batch1']:.0f}%) at 1, "
+                     f"{100 * f['moe_share_batch32']:.1f}% (paper {100 * t['moe_share_batch32']:.0f}%) at 32; "
+                     f"pure roofline at batch 1: {1e3 * fig2['roofline_batch1_s']:.2f} ms")
+    lines += ["r at batch 1: " + ", ".join(f"{k} {v:.3f}" for k, v in rs.items()),
+              f"{'batch':>6s} {'dense ms':>9s} {'epoch ms':>9s} {'speedup':>8s} {'MoE %':>6s} {'dense GB':>9s} "
+              f"{'epoch GB':>9s} OOM(dense/epoch)"]
+    for r in rows:
+        lines.append(f"{r['batch']:6d} {1e3 * r['dense_s']:9.2f} {1e3 * r['epoch_s']:9.2f} {r['speedup']:8.3f} "
+                     f"{100 * r['dense_moe_share']:6.1f} {r['dense_mem_gb']:9.1f} {r['epoch_mem_gb']:9.1f} "
+                     f"{r['dense_oom']}/{r['epoch_oom']}")
+    if args.plot:
+        from dblock.simulator import plots
+        plots.speedup_vs_batch(rows, args.plot)
+    _emit(args, data, "\n".join(lines))
+    return 0
+
+
+def _serve_config(args, path: str):
+    from dblock.simulator.positions import ParametricProfile
+    from dblock.simulator.serving import ServeConfig
+    from dataclasses import replace
+    cfg, hw, par = _setup(args)
+    if args.scale <= 0:
+        raise ValueError(f"--scale={args.scale}: must be positive")
+    cal = replace(_calibration(args.calibration), scale=args.scale)
+    _dist(args.prompt, "--prompt", 1e7)
+    _dist(args.tokens, "--tokens", 1e7)
+    _dist(args.passes, "--passes", 1e5)
+    return ServeConfig(cfg, hw, par, cal, path=path, schedule=args.schedule,
+                       profile=ParametricProfile(C=cfg.block_size, passes=args.passes), prompt=args.prompt,
+                       tokens=args.tokens, batch_cap=args.batch_cap, requests=args.requests, seed=args.seed)
+
+
+def _read_arrivals(path: str) -> list[float]:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"--arrivals {path}: {e.strerror}") from None
+    try:
+        vals = json.loads(text)
+        if not isinstance(vals, list):
+            raise ValueError
+    except ValueError:
+        vals = [line.split()[0] for line in text.splitlines() if line.strip()]
+    try:
+        out = [float(v) for v in vals]
+    except (TypeError, ValueError):
+        raise ValueError(f"--arrivals {path}: expected arrival times in seconds") from None
+    if not out or not all(math.isfinite(v) and v >= 0 for v in out):
+        raise ValueError(f"--arrivals {path}: expected one or more finite arrival times >= 0 (seconds)")
+    return out
+
+
+def _serve(args) -> int:
+    from dataclasses import replace
+    from dblock.simulator.serving import simulate_serving
+    if args.plot:
+        check_out_file(args.plot, "--plot")
+    paths = ["dense", "epoch"] if args.path == "both" else [args.path]
+    arrivals = _read_arrivals(args.arrivals) if args.arrivals else None
+    rates = [None] if arrivals else _positive_floats(args.rates, "--rates")
+    curves: dict = {}
+    lines = [f"{'path':6s} {'rate':>6s} {'P50 ITL ms':>10s} {'P95 ITL ms':>10s} {'P99 ITL ms':>10s} "
+             f"{'P95 TTFT s':>10s} {'tok/s':>8s} {'peak B':>6s} OOM   keeps up"]
+    total = len(paths) * len(rates)
+    bar = None
+    if not args.json and total > 1:
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc="simulate serving", unit="run", file=sys.stderr)
+    for path in paths:
+        base = _serve_config(args, path)
+        curves[path] = []
+        for lam in rates:
+            sc = replace(base, arrivals=arrivals) if arrivals else replace(base, rate=lam)
+            res = simulate_serving(sc)
+            rate = lam if lam is not None else len(arrivals) / max(1e-9, max(arrivals) - min(arrivals))
+            curves[path].append(dict(rate=rate, p95_itl=res.itl["p95"], itl=res.itl, ttft=res.ttft,
+                                     throughput=res.throughput, peak_batch=res.peak_batch, oom=res.oom,
+                                     stable=res.stable))
+            lines.append(f"{path:6s} {rate:6.2f} {1e3 * res.itl['p50']:10.1f} {1e3 * res.itl['p95']:10.1f} "
+                         f"{1e3 * res.itl['p99']:10.1f} {res.ttft['p95']:10.2f} {res.throughput:8.0f} "
+                         f"{res.peak_batch:6d} {str(res.oom):5s} {res.stable}")
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    if args.plot:
+        from dblock.simulator import plots
+        plots.itl_vs_rate(curves, args.plot)
+    _emit(args, dict(curves=curves), "\n".join(lines))
+    return 0
+
+
+def _search(args) -> int:
+    from dblock.simulator.serving import best_batch_cap
+    if not (math.isfinite(args.slo) and args.slo > 0):
+        raise ValueError(f"--slo={args.slo}: must be positive (seconds)")
+    paths = ["dense", "epoch"] if args.path == "both" else [args.path]
+    data, lines = {}, []
+    for path in paths:
+        res = best_batch_cap(_serve_config(args, path), args.slo, _ints(args.caps, "--caps"), progress=not args.json,
+                             rate_hi=args.rate_max)
+        data[path] = res
+        b = res["best"]
+        lines.append(f"{path}: best batch cap {b['batch_cap']} holds P95 ITL <= {1e3 * args.slo:.0f} ms up to "
+                     f"{b['max_rate']:.2f} req/s")
+        for row in res["table"]:
+            lines.append(f"   cap {row['batch_cap']:5d}: max rate {row['max_rate']:.2f} req/s")
+    _emit(args, data, "\n".join(lines))
+    return 0
