@@ -301,7 +301,8 @@ def _hot_text(a: dict) -> str:
             f"(**{100 * h['under'] / h['rows']:.1f}%**) kept less than α of their own top-K mass and were routed "
             f"with every expert (per-token fail-closed, docs/algorithms.md §4.2); the quota (1 − q)·N held on "
             f"**{100 * h['calls_within_quota'] / max(h['calls'], 1):.1f}%** of {h['calls']} (layer, block) hot "
-            f"calls\n")
+            f"calls; the support those calls routed within: mean **{h.get('support_sum', 0) / max(h['calls'], 1):.1f}"
+            f"** of E = {a['experts']} (the hot repair added {h.get('repaired_experts', 0)} experts)\n")
 
 
 def _schedules_text(card: dict) -> str:
