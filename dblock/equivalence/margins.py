@@ -107,7 +107,7 @@ def _conf(z: torch.Tensor):
 
 
 def threshold_margin(logits: torch.Tensor, mask_id: Optional[int], tau: float = 0.95,
-                     commit_all: bool = False, inclusive: bool = False) -> Margin:
+                     commit_all: bool = False, inclusive: bool = False, quota: Optional[int] = None) -> Margin:
     """Margins of one block's live rows under the threshold rule (see the module docstring). A row clears τ when
     conf > τ, or conf >= τ with `inclusive` (`DecodeConfig.threshold_inclusive`, docs/algorithms.md §2.1); the two
     differ only at conf = τ exactly, where the margin is 0 either way.
@@ -134,6 +134,8 @@ def threshold_margin(logits: torch.Tensor, mask_id: Optional[int], tau: float = 
     s = (logp - lt).abs() / 2
     s_exact = (logit - ltg).abs() / 2
     commit = logp >= lt if inclusive else logp > lt          # conf >= / > tau (in exact arithmetic)
+    if quota is not None and n >= 1:
+        return _quota_margin(commit, tok, a, s, s_exact, logp, logit, min(max(quota, 0), n))
     fallback = bool(n) and not bool(commit.any())
     gamma = torch.minimum(a, s)
     cross = cross_exact = math.inf
@@ -163,6 +165,36 @@ def threshold_margin(logits: torch.Tensor, mask_id: Optional[int], tau: float = 
     return Margin(gamma, gamma_exact, a, s, s_exact, commit, tok, fallback, cross, cross_exact)
 
 
+def _quota_margin(clears, tok, a, s, s_exact, logp, logit, k: int) -> Margin:
+    """The threshold rule with LLaDA2.0's quota k (commit the rows above τ, or the k most confident when fewer clear
+    τ), n >= 1 rows. A sufficient radius per case (docs/algorithms.md §5):
+      |C| > k   τ decides: committed rows min(a, s*), the others s* (no crossing, so |C| stays above k)
+      |C| = k   C is the top k: committed min(a, x*), the others min(s*, x*) -- x* = (logit p₍ₖ₎ − logit p₍ₖ₊₁₎)/4
+                keeps the top-k set; a row outside it rising above τ would add a commit
+      |C| < k   the quota decides: committed min(a, x*), the others x* (a row rising above τ passes the k-th)
+    k = 0 commits nothing below τ: every row s*."""
+    n = clears.numel()
+    nC = int(clears.sum())
+    inf = math.inf
+    if nC > k or k == 0:
+        commit = clears.clone()
+        return Margin(torch.where(commit, torch.minimum(a, s), s), torch.where(commit, torch.minimum(a, s_exact),
+                      s_exact), a, s, s_exact, commit, tok, False, inf, inf)
+    order = torch.sort(logp, descending=True, stable=True).indices
+    commit = torch.zeros(n, dtype=torch.bool)
+    commit[order[:k]] = True
+    cross = cross_exact = inf
+    if k < n:
+        cross = float(logp[order[k - 1]] - logp[order[k]]) / 4
+        cross_exact = float(logit[order[k - 1]] - logit[order[k]]) / 4
+    others, others_exact = torch.full_like(a, cross), torch.full_like(a, cross_exact)
+    if nC == k:
+        others, others_exact = others.clamp(max=s), others_exact.clamp(max=s_exact)
+    gamma = torch.where(commit, a.clamp(max=cross), others)
+    gamma_exact = torch.where(commit, a.clamp(max=cross_exact), others_exact)
+    return Margin(gamma, gamma_exact, a, s, s_exact, commit, tok, nC < k, cross, cross_exact)
+
+
 def fixed_k_margin(logits: torch.Tensor, mask_id: Optional[int], k: int) -> Margin:
     """Margins under the fixed-k rule: the k most confident rows commit (stable order, ties -> lower row)."""
     z = masked64(logits, mask_id)
@@ -188,7 +220,7 @@ def fixed_k_margin(logits: torch.Tensor, mask_id: Optional[int], k: int) -> Marg
 # ---------------------------------------------------------------------------------------------------------------
 
 def threshold_decision64(logits: torch.Tensor, mask_id: Optional[int], tau: float = 0.95, commit_all: bool = False,
-                         inclusive: bool = False):
+                         inclusive: bool = False, quota: Optional[int] = None):
     """docs/algorithms.md §2.1 in fp64 (same tie-breaks as `samplers.threshold_rule`): -> (tokens, commit). Commits
     at conf > τ, or conf >= τ with `inclusive`."""
     z = masked64(logits, mask_id)
@@ -199,6 +231,12 @@ def threshold_decision64(logits: torch.Tensor, mask_id: Optional[int], tau: floa
         return tok, torch.ones(n, dtype=torch.bool)
     lt = math.log(tau32(tau))
     commit = logp >= lt if inclusive else logp > lt
+    if quota is not None:                                    # LLaDA2.0: at least `quota` (samplers.threshold_commit)
+        if int(commit.sum()) < quota:
+            order = torch.sort(logp, descending=True, stable=True).indices
+            commit = torch.zeros(n, dtype=torch.bool)
+            commit[order[:min(quota, n)]] = True
+        return tok, commit
     if n and not commit.any():
         commit = torch.zeros(n, dtype=torch.bool)
         commit[int(torch.argmax(logp))] = True

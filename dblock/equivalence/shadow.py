@@ -41,6 +41,7 @@ from dblock.equivalence import invariants as inv
 from dblock.equivalence.margins import (delta_inf, entropy_bound_check, fixed_k_margin, masked64,
                                         threshold_margin)
 from dblock.forward import Forward, StepInput
+from dblock.decoding.samplers import last_pass, transfer_schedule
 
 
 @dataclass
@@ -283,9 +284,14 @@ class ShadowForward(Forward):
                 dec = ctx.rule.dec
                 kind = dec.rule
                 if dec.rule == "threshold":
+                    S = dec.threshold_steps
+                    quota = None
+                    if S:                                    # LLaDA2.0's quota of this pass (samplers.masked_step)
+                        sched = transfer_schedule(ctx.state.tokens.shape[0], S)
+                        quota = sched[ctx.state.passes] if ctx.state.passes < len(sched) else 0
                     m = threshold_margin(z_ref, self.mask_id, dec.threshold,
-                                         commit_all=after_ref.passes >= dec.max_steps,
-                                         inclusive=dec.threshold_inclusive)
+                                         commit_all=after_ref.passes >= last_pass("threshold", dec.max_steps, 0, S),
+                                         inclusive=dec.threshold_inclusive, quota=quota)
                 else:
                     k = int((after_ref.tokens[brow] != self.mask_id).sum()) if ctx.accept else 0
                     m = fixed_k_margin(z_ref, self.mask_id, k)

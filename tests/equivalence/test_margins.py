@@ -32,12 +32,16 @@ def blocks(draw, max_rows=6):
 def decide(z, mask_id, rule, tau, commit_all, k):
     if rule == "threshold":
         return threshold_decision64(z, mask_id, tau, commit_all)
+    if rule == "threshold-quota":                    # LLaDA2.0's steps: at least k a pass
+        return threshold_decision64(z, mask_id, tau, commit_all, quota=k)
     return fixed_k_decision64(z, mask_id, k)
 
 
 def margin(z, mask_id, rule, tau, commit_all, k):
     if rule == "threshold":
         return threshold_margin(z, mask_id, tau, commit_all)
+    if rule == "threshold-quota":
+        return threshold_margin(z, mask_id, tau, commit_all, quota=k)
     return fixed_k_margin(z, mask_id, k)
 
 
@@ -53,7 +57,7 @@ def perturb_inside(z, radius, seed, mask_id):
     return z + d
 
 
-rules = st.sampled_from(["threshold", "fixed-k"])
+rules = st.sampled_from(["threshold", "threshold-quota", "fixed-k"])
 taus = st.sampled_from([0.95, 0.7, 0.3])
 
 
@@ -242,3 +246,15 @@ def test_tau_one_is_a_valid_threshold():
     z = torch.tensor([[4.0, 1.0, 0.0], [0.0, 3.0, 0.5]], dtype=torch.float64)
     m = threshold_margin(z, 2, tau=1.0)
     assert m.fallback and int(m.commit.sum()) == 1 and bool(torch.isfinite(m.gamma_exact).all())
+
+
+def test_the_quota_replica_is_the_rule():
+    """threshold_decision64(quota=k) commits what samplers.threshold_commit does with LLaDA2.0's quota."""
+    from dblock.decoding.samplers import threshold_commit
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        z = torch.randn(5, 6, generator=g, dtype=torch.float64) * 3
+        k = int(torch.randint(0, 6, (1,), generator=g))
+        conf = torch.softmax(z[:, :5], -1).max(-1).values
+        _, com = threshold_decision64(z, 5, 0.7, quota=k)
+        assert torch.equal(com, threshold_commit(conf, 0.7, quota=k)), (z, k)
