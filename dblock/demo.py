@@ -41,7 +41,7 @@ PLAN = [
     ("code-masked", "reference", None, "native", {}),
     ("code-masked", "epoch", "epoch", "native", {}),
 ]
-N_PROBLEMS = {"tiny-masked": 32, "tiny-uniform": 16, "code-masked": 32}
+N_PROBLEMS = {"tiny-masked": 32, "tiny-uniform": 16, "code-masked": 16}
 REPEATS = 3
 
 
@@ -170,7 +170,8 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
     base = next((x for x in mine if x["executor"] == "reference" and x["schedule"] == "native"), None)
     if base is None:
         return
-    prof = _profile_for(name, model, profile, quiet) if model.config.family == "llada2_moe" else None
+    prof = (_profile_for(name, model, profile, quiet, max_requests=base["n"])
+            if model.config.family == "llada2_moe" else None)
     wl, scale = None, 1.0
     if prof is not None:
         from dblock.simulator.profiler import drift
@@ -266,28 +267,37 @@ def _verdict(lo: float, hi: float) -> str:
     return verdict(lo, hi)
 
 
-def _profile_for(name: str, model, path: str | None, quiet: bool):
-    """The operator profile of `name` on this machine: `path`, else the cached default, else measured now (quick)."""
-    from dblock.simulator.fingerprint import code_fingerprint, machine_tag
+def _profile_for(name: str, model, path: str | None, quiet: bool, max_requests: int | None = None):
+    """The operator profile of `name` on this machine: `path`, else the cached default (`dblock simulate profile`),
+    else the demo's own quick one, else a quick one measured now up to `max_requests` requests (the demo's batch).
+    The demo's quick profile has its own file (`NAME-demo-...json`), so `simulate validate` never prices larger
+    batches with it."""
     from dblock.simulator.profile import Profile, default_path
-    from dblock.simulator.profiler import Profiler
+    from dblock.simulator.profiler import Profiler, code_fingerprint, machine_tag
     p = path or default_path(name, machine_tag())
     why = "no operator profile of {name} on this machine yet"
-    if os.path.isfile(p):
+    candidates = [p] if path else [p, default_path(f"{name}-demo", machine_tag())]
+    for c in candidates:
+        if not os.path.isfile(c):
+            continue
         try:
-            prof = Profile.load(p)
+            prof = Profile.load(c)
             if prof.has("epoch_moe") and prof.meta.get("anchor"):
                 if prof.meta.get("code") == code_fingerprint():
                     return prof
                 why = "the operator profile of {name} was measured on other executor code (it would price that code)"
         except ValueError:
             pass
+    out = candidates[-1]
     print(f"demo: {why.format(name=name)}: measuring a quick one (about 40 s; "
-          f"`dblock simulate profile --model {name}` measures the full one) -> {p}", file=sys.stderr)
+          f"`dblock simulate profile --model {name}` measures the full one) -> {out}", file=sys.stderr)
     from dblock.simulator.profiler import QUICK
-    prof = Profiler(model, name=name, **QUICK).run(("reference", "epoch"))
+    knobs = dict(QUICK)
+    if max_requests:
+        knobs["max_requests"] = max(1, min(QUICK["max_requests"], max_requests))
+    prof = Profiler(model, name=name, **knobs).run(("reference", "epoch"))
     prof.meta["quick"] = True
-    prof.save(p)
+    prof.save(out)
     return prof
 
 

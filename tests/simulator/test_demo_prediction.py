@@ -72,3 +72,34 @@ def test_the_demo_remeasures_a_profile_of_other_executor_code(tmp_path, monkeypa
     Profile(dict(anchor={"x": 1.0}, code="0" * 16), {"epoch_moe": t}).save(path)
     demo._profile_for("m", None, path, True)
     assert measured == [1] and Profile.load(path).meta["code"] == code_fingerprint()
+
+
+def test_the_demos_quick_profile_has_its_own_file_and_the_demos_batch(tmp_path, monkeypatch):
+    """Without a full profile the demo measures a quick one up to its own batch and keeps it in NAME-demo-*.json,
+    where `simulate validate` (which reads the default file) never finds it; a full profile is preferred."""
+    import numpy as np
+
+    from dblock.simulator import profile as profile_mod
+    from dblock.simulator import profiler
+    from dblock.simulator.fingerprint import code_fingerprint
+    from dblock.simulator.profile import OpTable, Profile
+    monkeypatch.setattr(profile_mod, "PROFILE_DIR", str(tmp_path))
+    t = OpTable.from_samples("epoch_moe", ["rows"], [[1, 2]], np.ones((2, 1)), [True])
+    seen = []
+
+    class Stub:
+        def __init__(self, *a, **k):
+            seen.append(k)
+
+        def run(self, *a):
+            return Profile(dict(anchor={"x": 1.0}, code=code_fingerprint()), {"epoch_moe": t})
+    monkeypatch.setattr(profiler, "Profiler", Stub)
+    demo._profile_for("m", None, None, True, max_requests=16)
+    assert seen[-1]["max_requests"] == 16
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 1 and files[0].startswith("m-demo-")
+    demo._profile_for("m", None, None, True, max_requests=16)
+    assert len(seen) == 1                                     # the demo's own quick profile is reused
+    full = profile_mod.default_path("m", profiler.machine_tag())
+    Profile(dict(anchor={"x": 2.0}, code=code_fingerprint()), {"epoch_moe": t}).save(full)
+    assert demo._profile_for("m", None, None, True).meta["anchor"] == {"x": 2.0} and len(seen) == 1
