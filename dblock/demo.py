@@ -292,7 +292,7 @@ def _profile_for(name: str, model, path: str | None, quiet: bool, max_requests: 
     print(f"demo: {why.format(name=name)}: measuring a quick one (about 40 s; "
           f"`dblock simulate profile --model {name}` measures the full one) -> {out}", file=sys.stderr)
     from dblock.simulator.profiler import QUICK
-    knobs = dict(QUICK)
+    knobs = dict(QUICK, repeats=2)             # the demo's own: two repeats (its rows repeat three times anyway)
     if max_requests:
         knobs["max_requests"] = max(1, min(QUICK["max_requests"], max_requests))
     prof = Profiler(model, name=name, **knobs).run(("reference", "epoch"))
