@@ -40,27 +40,27 @@ def read_card(folder: str) -> Optional[dict]:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def task_of(model: str, default: str = "arith") -> str:
-    """The task a (bundled) model was trained on, from its card; `default` when it has none."""
+def _card_of(model) -> dict:
+    """The card of a (bundled) model, {} when it has none or `model` is not a folder nor a bundled name (the
+    command reports that when it loads)."""
     from dblock.errors import WeightsError
     from dblock.weights_path import resolve_model_path
     try:
         folder = resolve_model_path(model)
-    except WeightsError:            # not a folder nor a bundled name: the command reports that when it loads
-        return default
-    return (read_card(folder) or {}).get("task", default)
+    except WeightsError:
+        return {}
+    return read_card(folder) or {}
+
+
+def task_of(model: str, default: str = "arith") -> str:
+    """The task a (bundled) model was trained on, from its card; `default` when it has none."""
+    return _card_of(model).get("task", default)
 
 
 def decoding_of(model) -> dict:
     """The decoding defaults a model's card sets (`card.json["decoding"]`, e.g. `{"threshold_steps": 8}`), {} when
     it sets none or `model` is not a folder or bundled name. The commands apply them where no flag overrides."""
-    from dblock.errors import WeightsError
-    from dblock.weights_path import resolve_model_path
-    try:
-        folder = resolve_model_path(model)
-    except (WeightsError, TypeError):
-        return {}
-    return dict((read_card(folder) or {}).get("decoding") or {})
+    return {} if model is None else dict(_card_of(model).get("decoding") or {})
 
 
 def _public_command(reproduce: str, name: str) -> str:
