@@ -293,15 +293,16 @@ class MoeSteps:
     def _repair_supports(self, c: LayerCall, under_F: torch.Tensor, plan_F: torch.Tensor, I_FK: torch.Tensor):
         """Hot repair: the dense top-K experts of the rows just opened join their block's support S_l, so that the
         block's later hot passes cover them (a support only grows between builds; the next build starts over)."""
-        E = self.config.num_experts
-        for p in plan_F[under_F.cpu()].unique().tolist():
+        under = under_F.cpu()
+        ids_UK = I_FK[under_F].cpu()
+        add_PE = torch.zeros(len(c.R.plans), self.config.num_experts, dtype=torch.bool)
+        add_PE[plan_F[under].repeat_interleave(ids_UK.shape[1]), ids_UK.flatten()] = True
+        for p in add_PE.any(1).nonzero(as_tuple=True)[0].tolist():
             lp = c.R.plans[p].layer(c.li)
             if lp.support is None:
                 continue
-            add = torch.zeros(E, dtype=torch.bool)
-            add[I_FK[under_F & (plan_F == p).to(under_F.device)].flatten().cpu()] = True
-            lp.support = lp.support | add
             n0 = lp.support_size if lp.support_size is not None else int(lp.support.sum())
+            lp.support = lp.support | add_PE[p]
             lp.support_size = int(lp.support.sum())
             self.atlas_hot["repaired_experts"] += lp.support_size - n0
 
