@@ -86,12 +86,14 @@ def run_schedule(fwd, prompts, dec, name: str, seeds, batch_size: Optional[int] 
     return row
 
 
-def paired_bootstrap(row: dict, base: dict, n_boot: int = 1000, seed: int = 0, alpha_fit: bool = True) -> dict:
+def paired_bootstrap(row: dict, base: dict, n_boot: int = 1000, seed: int = 0, alpha_fit: bool = True,
+                     alpha_method: str = "Eq. 6") -> dict:
     """95% percentile intervals of TPF(row)/TPF(base) and of the fitted α, resampling requests (paired: the same
-    indices for both rows, which decoded the same prompts under the same seeds)."""
+    indices for both rows, which decoded the same prompts under the same seeds). Every resample fits α by the
+    point estimate's own `alpha_method` ("Eq. 6" on the summed counters, or "Eq. 5" on the per-response blocks)."""
     import numpy as np
 
-    from dblock.simulator.oba import fit_alpha
+    from dblock.simulator.oba import fit_alpha, fit_alpha_exact
     a, b = row.get("per_request"), base.get("per_request")
     if not a or not b or len(a["Y"]) != len(b["Y"]) or len(a["Y"]) < 2:
         return {}
@@ -108,7 +110,8 @@ def paired_bootstrap(row: dict, base: dict, n_boot: int = 1000, seed: int = 0, a
         alphas = []
         for i in range(n_boot):
             try:
-                alphas.append(fit_alpha(fa[i], ka[i], n, fb[i] / kb[i]))
+                alphas.append(fit_alpha_exact(fa[i], A["K"][idx[i]].astype(int), fb[i] / kb[i])
+                              if alpha_method == "Eq. 5" else fit_alpha(fa[i], ka[i], n, fb[i] / kb[i]))
             except ValueError:
                 pass
         if len(alphas) >= n_boot // 2:     # otherwise the fit is undefined on too many resamples to quote
@@ -118,11 +121,12 @@ def paired_bootstrap(row: dict, base: dict, n_boot: int = 1000, seed: int = 0, a
 
 def derive(rows: list, n_boot: int = 1000) -> list:
     """Add r, naive ᾱ, fitted α, the verdict and paired 95% intervals against the Native(C) row."""
-    from dblock.simulator.oba import fit_alpha, naive_alpha
+    from dblock.simulator.oba import fit_alpha, fit_alpha_counters, naive_alpha
 
     base = next((r for r in rows if r["schedule"] == "native"), None)
     for r in rows:
-        r.update(r=None, beta=None, alpha_naive=None, alpha=None, margin=None, verdict=None, alpha_note=None)
+        r.update(r=None, beta=None, alpha_naive=None, alpha=None, margin=None, verdict=None, alpha_note=None,
+                 alpha_method=None)
         if base is None or not base["T_den_ms"]:
             continue
         r["r"], r["beta"] = _r_beta(r, base)
@@ -133,8 +137,17 @@ def derive(rows: list, n_boot: int = 1000) -> list:
             from dblock.simulator.oba import tps_ratio_identity
             rho = (r["Y"] / r["K"]) / (base["Y"] / base["K"])
             r["TPS_ratio_identity"] = tps_ratio_identity(nbar / (r["F"] / r["K"]), rho, r["r"], r["beta"])
+        multi = r["schedule"] != "native2c"
+        if multi and r is not base:
+            r["alpha_naive"] = naive_alpha(nbar, r["F"], r["K"])
+            per_k = (r.get("per_request") or {}).get("K")
+            try:
+                r["alpha"], r["alpha_method"] = fit_alpha_counters(r["F"], r["K"], r["R"], nbar, per_k)
+            except ValueError as e:
+                r["alpha_note"] = str(e)
         if r is not base and n_boot:
-            r.update(paired_bootstrap(r, base, n_boot, alpha_fit=r["schedule"] != "native2c"))
+            r.update(paired_bootstrap(r, base, n_boot, alpha_fit=multi,
+                                      alpha_method=r.get("alpha_method") or "Eq. 6"))
             qa, qb = r.get("per_request_quality"), base.get("per_request_quality")
             if qa and qb and len(qa["token_accuracy"]) == len(qb["token_accuracy"]):
                 from dblock.tasks.code import paired_bootstrap_ci
@@ -144,11 +157,12 @@ def derive(rows: list, n_boot: int = 1000) -> list:
         if r["schedule"] == "native2c":   # a wider block: alpha (passes saved per warm-up step) does not apply
             r["verdict"] = "pays" if r["TPS_ratio"] and r["TPS_ratio"] > 1 else "does not pay"
             continue
-        r["alpha_naive"] = naive_alpha(nbar, r["F"], r["K"])
-        try:
-            r["alpha"] = fit_alpha(r["F"], r["K"], r["R"], nbar)
-        except ValueError as e:
-            r["alpha_note"] = str(e)
+        if r is base:
+            r["alpha_naive"] = naive_alpha(nbar, r["F"], r["K"])
+            try:
+                r["alpha"] = fit_alpha(r["F"], r["K"], r["R"], nbar)
+            except ValueError as e:
+                r["alpha_note"] = str(e)
         a = r["alpha"] if r["alpha"] is not None else r["alpha_naive"]
         r["margin"] = a - (r["r"] - 1)
         if r["schedule"] != "native":
@@ -215,6 +229,10 @@ def format_table(rows: list) -> str:
             cells.append(("-".rjust(w) if k != "schedule" else "-".ljust(w)) if v is None else f.format(v).rjust(w)
                          if k != "schedule" else f.format(v).ljust(w))
         lines.append("  ".join(cells))
+    exact = [r["schedule"] for r in rows if r.get("alpha_method") == "Eq. 5"]
+    if exact:
+        lines.append(f"α of {', '.join(exact)}: Eq. 5 kept exactly (Eq. 6 has no root on [-1/2, 1) on these short "
+                     "responses)")
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ Identities (Appendix D): TPS ratio = (n̄/n)·ρ/(r·β), TPF ratio = ρ (n̄ + 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from scipy.optimize import brentq
@@ -155,6 +155,23 @@ def fit_alpha_exact(F: float, blocks_per_response: Sequence[int], nbar: float) -
         raise ValueError("fit_alpha_exact: blocks_per_response must be a non-empty list of counts >= 1")
     return _solve_single_root(lambda a: expected_passes_exact(nbar, a, Ki) - F,
                               f"fit_alpha_exact(F={F}, R={Ki.size}, nbar={nbar})")
+
+
+def fit_alpha_counters(F: float, K: float, R: float, nbar: float,
+                       blocks_per_response: Optional[Sequence[int]] = None) -> tuple:
+    """(α, method): Eq. (6) on the aggregate counters; when Eq. (6) has no single root on [−1/2, 1) and the
+    per-response block counts are known, Eq. (5) exactly (`fit_alpha_exact`), method "Eq. 5".
+
+    Eq. (6) drops the (−α)^{K_i} terms. On responses of two or three blocks with α near 1 those terms are large: the
+    second block of a response costs n̄(1 − α), far below Eq. (6)'s n̄/(1 + α), so the passes measured fall under
+    every value Eq. (6) can reach and it has no root at all. Eq. (5) keeps the terms and still fits. Raises the
+    Eq. (6) ValueError when there is nothing else to try, or Eq. (5)'s own when it fails too."""
+    try:
+        return fit_alpha(F, K, R, nbar), "Eq. 6"
+    except ValueError:
+        if blocks_per_response is None or K == R:
+            raise
+    return fit_alpha_exact(F, blocks_per_response, nbar), "Eq. 5"
 
 
 def naive_alpha(nbar: float, F: float, K: float) -> float:

@@ -79,3 +79,25 @@ def test_paired_bootstrap_intervals():
     assert "TPF_ratio_ci" in rows[1] and "TPF_ratio_ci" not in rows[0]
     dlo, dhi = rows[1]["TPF_ratio_ci"]
     assert f"{dlo:.2f}..{dhi:.2f}" in format_table(rows)
+
+
+def test_short_responses_with_alpha_near_one_fit_by_eq5():
+    """The warm-up block nearly finishes the next block (α ≈ 0.9) and responses have two blocks: Eq. 6 has no root,
+    so the row's α and its interval come from Eq. 5 on the per-response blocks, and the table says so."""
+    from dblock.decoding.compare import format_table
+    from dblock.simulator import oba as oba_model
+    nbar, alpha = 40, 0.9
+    Kb = [2, 2, 2, 3] * 6
+    Fb = [nbar * k for k in Kb]
+    # each request's passes under the recurrence n_1 = n̄, n_k = n̄ − α·n_{k−1} (rounded to whole passes)
+    Fo = [round(sum(oba_model.transient(nbar, alpha, j) for j in range(1, k + 1))) for k in Kb]
+    Y = [32 * k for k in Kb]
+    base = _row("native", Y, [f + k for f, k in zip(Fb, Kb)], Fb, Kb)
+    row = _row("oba", Y, [f + k for f, k in zip(Fo, Kb)], Fo, Kb)
+    with pytest.raises(ValueError):
+        oba_model.fit_alpha(row["F"], row["K"], row["R"], nbar)
+    rows = derive([base, row])
+    assert rows[1]["alpha_method"] == "Eq. 5" and rows[1]["alpha"] == pytest.approx(alpha, abs=0.02)
+    lo, hi = rows[1]["alpha_ci"]
+    assert lo <= rows[1]["alpha"] <= hi
+    assert "α of oba: Eq. 5" in format_table(rows)

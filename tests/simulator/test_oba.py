@@ -101,6 +101,23 @@ def test_exact_fit_removes_the_short_response_bias():
     assert F == pytest.approx(direct, rel=1e-12)
 
 
+def test_counters_fit_keeps_eq5_where_eq6_has_no_root():
+    """Two-block responses with α near 1: the second block costs n̄(1 − α), below every value Eq. 6 reaches, so
+    Eq. 6 has no root; the counters' fit falls back to Eq. 5 on the per-response blocks and recovers α."""
+    nbar, alpha, Ks = 44.0, 0.9, [2] * 8 + [3] * 2
+    F = oba.expected_passes_exact(nbar, alpha, Ks)
+    with pytest.raises(ValueError, match="no single root"):
+        oba.fit_alpha(F, sum(Ks), len(Ks), nbar)
+    a, method = oba.fit_alpha_counters(F, sum(Ks), len(Ks), nbar, Ks)
+    assert method == "Eq. 5" and a == pytest.approx(alpha, abs=1e-6)
+    with pytest.raises(ValueError, match="no single root"):     # without the per-response counts: the Eq. 6 error
+        oba.fit_alpha_counters(F, sum(Ks), len(Ks), nbar)
+    # where Eq. 6 has its root, it is the answer (the paper's estimator)
+    F6 = oba.expected_passes(12.0, 0.54, 300, 100)
+    a6, m6 = oba.fit_alpha_counters(F6, 300, 100, 12.0, [3] * 100)
+    assert m6 == "Eq. 6" and a6 == pytest.approx(0.54, abs=1e-6)
+
+
 @settings(derandomize=True, max_examples=25, deadline=None)
 @given(alpha=st.floats(0.05, 0.9), blocks=st.floats(1.5, 40.0))
 def test_naive_alpha_understates(alpha, blocks):
