@@ -196,7 +196,8 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
         multi = x["schedule"] in ("oba", "flowblock")
         if multi:
             try:
-                alpha = oba.fit_alpha(x["F"], x["K"], x["R"], nbar)
+                per_k = [len(bl) for bl in x["_run"].get("blocks") or []] or None
+                alpha = oba.fit_alpha_counters(x["F"], x["K"], x["R"], nbar, per_k)[0]
             except ValueError:
                 alpha = None
         x["alpha"] = alpha

@@ -242,7 +242,7 @@ def calibrate(runs: list[Run], hw: Hardware | None = None, cfg: ModelConfig | No
             continue
         c = run.counters()
         try:
-            a = oba.fit_alpha(c["F"], c["K"], c["R"], nbar)
+            a = oba.fit_alpha_counters(c["F"], c["K"], c["R"], nbar, c["blocks_per_response"])[0]
         except ValueError:
             a = float("nan")
         batched = any(int(p.get("batch", 1)) > 1 for r_ in (run, nat) for p in r_.passes
@@ -325,7 +325,8 @@ def predict_run(cal: Calibrated, run: Run) -> dict:
     tps_meas = oba.tps_ratio_identity(cal.nbar / c["n"], rho, r_meas)
     tps_pred = oba.tps_ratio_identity(cal.nbar / n_pred, rho, r_pred)
     try:
-        a_meas = oba.fit_alpha(c["F"], c["K"], c["R"], cal.nbar) if sched != "native" else 0.0
+        a_meas = (oba.fit_alpha_counters(c["F"], c["K"], c["R"], cal.nbar, c["blocks_per_response"])[0]
+                  if sched != "native" else 0.0)
     except ValueError:
         a_meas = float("nan")
 

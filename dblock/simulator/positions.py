@@ -353,7 +353,7 @@ def predict_alpha(model: PositionModel, schedule: str, blocks_per_response: Dist
     # n̄ from the Native run of the very same blocks (common random numbers): no sampling noise in the fit
     nbar = F_native / K_tot
     try:
-        alpha = oba.fit_alpha(F, K_tot, R, nbar)
+        alpha = oba.fit_alpha_counters(F, K_tot, R, nbar, list(ks))[0]
     except ValueError:
         alpha = float("nan")
     sps = saved / steps if steps else 0.0
