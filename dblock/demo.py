@@ -196,8 +196,8 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
         multi = x["schedule"] in ("oba", "flowblock")
         if multi:
             try:
-                per_k = [len(bl) for bl in x["_run"].get("blocks") or []] or None
-                alpha = oba.fit_alpha_counters(x["F"], x["K"], x["R"], nbar, per_k)[0]
+                per_k = [len(bl) for bl in (x.get("_run") or {}).get("blocks") or []] or None
+                alpha, x["alpha_method"] = oba.fit_alpha_counters(x["F"], x["K"], x["R"], nbar, per_k)
             except ValueError:
                 alpha = None
         x["alpha"] = alpha
@@ -232,10 +232,14 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
                                     f"counters; finite-length run, all {x['R']} requests in one batch")
         else:
             if multi and alpha is not None:
-                phi = oba.transient_factor(alpha, x["K"], x["R"])
-                nbar_n = (1 + alpha) * phi
-                a_src = ("measured (Eq. 6 on this run's counters): the demo's few requests cannot calibrate δ; "
-                         "`dblock simulate validate` predicts this α held out (δ from the other schedule)")
+                if x["alpha_method"] == "Eq. 5":      # short responses, α near 1: the exact transient (Eq. 5)
+                    nbar_n = nbar * x["K"] / oba.expected_passes_exact(nbar, alpha, per_k)
+                    phi = nbar_n / (1 + alpha)
+                else:
+                    phi = oba.transient_factor(alpha, x["K"], x["R"])
+                    nbar_n = (1 + alpha) * phi
+                a_src = (f"measured ({x['alpha_method']} on this run's counters): the demo's few requests cannot "
+                         "calibrate δ; `dblock simulate validate` predicts this α held out (δ from the other schedule)")
             else:
                 nbar_n, phi = nbar / n, 1.0
                 a_src = "measured n̄/n (α has no single root on these counters)" if multi else "-"
@@ -249,7 +253,8 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
             x["predicted_interval"] = [float(min(vals)), float(max(vals))]
             x["prediction_inputs"] = {
                 "alpha": {"value": alpha, "source": a_src},
-                "transient": {"value": phi, "source": "Eq. 6 finite-length factor 1/(1 + (R/K)·α/(1+α))"},
+                "transient": {"value": phi, "source": "finite-length factor φ = (n̄/n)/(1+α): Eq. 6's "
+                              "1/(1 + (R/K)·α/(1+α)), or Eq. 5's exact sum where α was fitted by Eq. 5"},
                 "rho": {"value": rho, "source": "measured"},
                 "r": {"value": r, "source": "measured: the baseline's pass timed on the same rows"},
                 "beta": {"value": beta, "source": "measured: baseline pass cost per request at this composition"}}

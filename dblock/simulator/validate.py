@@ -294,7 +294,7 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
 
 def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]] = None) -> list:
     """α of a held-out schedule predicted from a Native run and the *other* schedule, against the α fitted on its
-    own counters (Eq. 6), for a uniform-state model (on masked models α = 0 by construction).
+    own counters (Eq. 6; Eq. 5 where Eq. 6 has no root, `oba.fit_alpha_counters`), for a uniform-state model (on masked models α = 0 by construction).
 
     Three decoding runs of `plan.alpha_model` (Native, OBA, FlowBlock) write their traces in memory; for each of OBA
     and FlowBlock held out, δ is calibrated on the other one (`calibrate.calibrate`: the position model on Native's
@@ -309,6 +309,7 @@ def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]]
     from dblock.decoding.params import DecodeConfig
     from dblock.decoding.generate import reference_forward
     from dblock.simulator import calibrate as cal_mod
+    from dblock.simulator.oba import fit_alpha_counters
     from dblock.tasks import get_task
     from dblock.tasks.evaluate import TokenizerAdapter
 
@@ -326,8 +327,15 @@ def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]]
         buf = io.StringIO()
         rows_of[name] = run_schedule(fwd, prompts, dec, name, [plan.seed], plan.alpha_batch, trace=buf)
         runs[name] = cal_mod.Run.load([json.loads(line) for line in buf.getvalue().splitlines() if line])
-    ci_of = {name: paired_bootstrap(rows_of[name], rows_of["native"]).get("alpha_ci") or []
-             for name in ("oba", "flowblock")}                 # each fitted α's 95% interval (requests resampled)
+    ci_of = {}                  # each fitted α's 95% interval (requests resampled), by the point estimate's equation
+    nat = rows_of["native"]
+    for name in ("oba", "flowblock"):
+        row = rows_of[name]
+        try:
+            method = fit_alpha_counters(row["F"], row["K"], row["R"], nat["F"] / nat["K"], row["per_request"]["K"])[1]
+        except ValueError:
+            method = "Eq. 6"
+        ci_of[name] = paired_bootstrap(row, nat, alpha_method=method).get("alpha_ci") or []
     out = []
     for held, src in (("flowblock", "oba"), ("oba", "flowblock")):
         cal = cal_mod.calibrate([runs["native"], runs[src]], delta_from=src)
