@@ -1,7 +1,8 @@
 """`dblock compare-schedules`: every schedule on the same prompts and seeds, in the shape of the One Block Ahead
 paper's Tables 1–2.
 
-Per schedule: TPF = ΣY/ΣQ; TPS = ΣY / denoising wall time; T_den = mean wall time of a denoising call; r = the
+Per schedule: TPF = ΣY/ΣQ; TPS = ΣY / denoising thread-CPU time; T_den = mean thread-CPU time of a denoising call
+(both on the schedule's own calls: the baseline pass timed beside a call for r below is not counted); r = the
 schedule's pass over Native(C)'s pass on the same rows (docs/counters.md), from thread-CPU time: at batch 1 it is
 T_den_cpu / T_den_cpu(Native C), as the paper measures it; at a larger --batch-size a multi-block schedule's calls are
 also timed with each request's extra blocks removed (`dblock.simulator.measure.TimedForward`, shadow "strip"), r is
@@ -18,9 +19,10 @@ intervals `TPF_ratio_ci` and `alpha_ci`. Passes per block vary a lot between pro
 ten times the passes of a reversal block), so without the pairing a difference of a few percent in TPF is noise.
 
 Reading the table: a schedule pays in throughput when α − (r − 1) > 0. TPF counts passes only, so it rises with
-every warm-up step that carries progress; TPS also pays for the wider pass (r), measured here from wall time, which
-on a small model at batch 1 is mostly per-call overhead (r near 1, ±15% between runs); `dblock simulate pass`
-predicts r on GPUs.
+every warm-up step that carries progress; TPS also pays for the wider pass (r), measured here in thread-CPU time,
+which on a small model at batch 1 is mostly per-call overhead (r near 1, ±15% between runs); `dblock simulate pass`
+predicts r on GPUs. The verdict is the fixed point's (long responses); on responses of a few blocks the first block
+of each gains nothing, which `TPS_ratio_identity` (n̄/n measured) includes.
 
 `plot` draws the rows: the break-even map (each schedule at (r, α) against the line α = r − 1) beside TPF and TPS
 relative to Native.
@@ -62,13 +64,19 @@ def run_schedule(fwd, prompts, dec, name: str, seeds, batch_size: Optional[int] 
     s = res.summary()
     blocks = [b for c in res.counters for b in c.blocks]
     positions = sum(b.size for b in blocks)
+    # TPS and T_den on the schedule's own denoising calls in thread-CPU time: where the baseline's pass is timed
+    # beside each call (`timed`), generate's clocks include it, so they are taken from `timed` (its own calls only)
+    den_cpu = timed.den_s if timed else res.times.den_cpu_s
+    calls = s["denoise_calls"]
     row = {"schedule": spec.name, "Y": s["Y"], "K": s["K"], "F": s["F"], "Q": s["Q"], "R": len(reqs),
-           "TPF": s["TPF"], "TPS": s["TPS"], "T_den_ms": s["T_den_ms"], "wall_TPS": s["wall_TPS"],
+           "TPF": s["TPF"], "TPS": s["Y"] / den_cpu if den_cpu else 0.0,
+           "T_den_ms": 1e3 * den_cpu / calls if calls else 0.0,
+           "wall_TPS": None if timed else s["wall_TPS"],      # generate's wall clock also ran the baseline pass
            "n": s["F"] / s["K"] if s["K"] else math.nan, "tokens_per_block": s["Y"] / s["K"] if s["K"] else 0.0,
            "first_pass_accepted": sum(b.first_pass_accepted for b in blocks) / positions if positions else 0.0,
            "first_pass_kept": sum(b.first_pass_kept for b in blocks) / positions if positions else 0.0,
            "blocks_per_response": s["K"] / len(reqs), "den_calls": s["denoise_calls"], "batch_size": batch_size,
-           "den_cpu_s": timed.den_s if timed else res.times.den_cpu_s,
+           "den_cpu_s": den_cpu,
            "den_base_cpu_s": timed.den_base_s if timed else None,
            "per_request": {k: [getattr(c, k) for c in res.counters] for k in ("Y", "Q", "F", "K")}}
     if grader is not None:

@@ -101,3 +101,29 @@ def test_short_responses_with_alpha_near_one_fit_by_eq5():
     lo, hi = rows[1]["alpha_ci"]
     assert lo <= rows[1]["alpha"] <= hi
     assert "α of oba: Eq. 5" in format_table(rows)
+
+
+def test_batched_multiblock_rows_do_not_count_the_baseline_pass_timed_beside_them(monkeypatch):
+    """At batch > 1 an OBA row times the baseline's pass on the same rows after each call (for r); that pass must not
+    enter the row's TPS or T_den. The baseline pass here burns 0.2 s of thread-CPU time per call: counted, T_den
+    would exceed it."""
+    import time
+
+    from dblock.decoding.compare import run_schedule
+    from dblock.simulator import measure
+    fwd = reference_forward(make_tiny_model("llada2_moe", seed=1))
+
+    class Burning:
+        def __getattr__(self, name):
+            return getattr(fwd, name)
+
+        def denoise(self, items):
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 0.2:
+                pass
+            return fwd.denoise(items)
+    monkeypatch.setattr(measure, "_same_kind", lambda f: Burning())
+    row = run_schedule(fwd, [[5, 6, 7], [9, 10, 11, 12, 13]], DecodeConfig(max_new_tokens=24), "oba", [0], 2)
+    assert row["den_base_cpu_s"] >= 0.2          # the baseline pass ran (on calls that carried a warm-up block)
+    assert row["T_den_ms"] < 200 and row["TPS"] == pytest.approx(row["Y"] / row["den_cpu_s"])
+    assert row["wall_TPS"] is None
