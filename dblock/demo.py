@@ -120,7 +120,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
             key = (executor, _label(schedule, extra))
             if executor not in fwds:
                 fwds[executor] = reference_forward(model) if executor == "reference" else epoch_forward(model, econf)
-            card_dec = {} if family == "diffusion_gemma" else decoding_of(name)   # code-masked: LLaDA2.0's S
+            card_dec = decoding_of(name)     # the card's default: LLaDA2.0's S (masked) or N steps (uniform-state)
             dec = DecodeConfig(max_new_tokens=max_new, rule="entropy-bound" if family == "diffusion_gemma" else
                                "threshold", **{**card_dec, **extra})
             # the baseline's pass on the same rows is timed only where the batch compositions differ (a uniform-state

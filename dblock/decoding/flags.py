@@ -70,6 +70,10 @@ def decode_config(args, family: str, tokenizer=None):
         raise ConfigError(f"--rule {rule}: the uniform-state rule; {family} is masked diffusion (threshold, fixed-k)")
     if args.no_cache and family != "llada2_moe":
         raise ConfigError(f"--no-cache applies to llada2_moe's block-causal grid, not {family}")
+    steps = args.steps
+    if steps is None and gemma and getattr(args, "model", None):
+        from dblock.tasks.card import decoding_of           # the model card's default N (a uniform-state model)
+        steps = decoding_of(args.model).get("steps")
     threshold_steps = getattr(args, "threshold_steps", None)
     if threshold_steps is None and rule == "threshold" and getattr(args, "model", None):
         from dblock.tasks.card import decoding_of           # the model card's default (the bundled code-masked)
@@ -91,7 +95,7 @@ def decode_config(args, family: str, tokenizer=None):
     if n > 1:
         check_seed_span(args.seed, n, "--seed")
     return DecodeConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size, rule=rule,
-                        threshold=args.threshold, max_steps=args.max_steps, steps=args.steps,
+                        threshold=args.threshold, max_steps=args.max_steps, steps=steps,
                         no_cache=args.no_cache, seed=args.seed, entropy_bound=args.entropy_bound,
                         temperature=schedule_t, stability=args.stability, confidence=args.confidence,
                         threshold_inclusive=bool(getattr(args, "threshold_inclusive", False)),

@@ -318,8 +318,10 @@ def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]]
     tok = TokenizerAdapter.from_folder(m.source)
     task = get_task(plan_task(plan, plan.alpha_model))
     prompts = [tok.encode(e.prompt) for e in task.examples("test", plan.alpha_n)]
+    from dblock.tasks.card import decoding_of
     dec = DecodeConfig(max_new_tokens=task_max_new(plan, task),
-                       rule="entropy-bound" if m.config.family == "diffusion_gemma" else "threshold")
+                       rule="entropy-bound" if m.config.family == "diffusion_gemma" else "threshold",
+                       **decoding_of(getattr(m, "source", None) or plan.alpha_model))
     fwd = reference_forward(m)
     runs, rows_of = {}, {}
     for name in ("native", "oba", "flowblock"):

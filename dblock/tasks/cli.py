@@ -200,6 +200,10 @@ def add_parser(subparsers):
                    help="the model's default decoding: the threshold rule with LLaDA2.0's steps S (card.json "
                         "`decoding`, which every command then applies to this model); the card also records the "
                         "threshold rule alone beside it")
+    c.add_argument("--steps", type=int_arg(1, 4096), default=None, metavar="N",
+                   help="a uniform-state model's default decoding: the entropy-bound rule with N steps per block "
+                        "(card.json `decoding`, which every command then applies to this model where no --steps "
+                        "is given)")
     c.set_defaults(_run=_card)
 
 
@@ -278,13 +282,14 @@ def _eval(args) -> int:
 
 
 def _card(args) -> int:
-    from dblock.tasks.card import make_card
+    from dblock.tasks.card_make import make_card
     for path in args.train_summary:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--train-summary {path}: no such file")
     card = make_card(args.model, args.train_summary, args.task, args.n, run_eval_command, args.name,
                      also_schedules=args.also_schedule, notes=args.note, schedules_n=args.schedules_n,
-                     schedules_batch=args.schedules_batch, threshold_steps=args.threshold_steps)
+                     schedules_batch=args.schedules_batch, threshold_steps=args.threshold_steps,
+                     steps=args.steps)
     print(f"model-card: {card['name']}: accuracy {card['eval']['accuracy']:.3f} on {card['task']} "
           f"(n={args.n}); wrote MODEL_CARD.md and card.json")
     return 0

@@ -142,7 +142,7 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
         "task": name, "split": split, "n": len(probs), "seeds": seeds, "executor": executor, "schedule": sched,
         "decode": {"rule": dec.rule, "threshold": dec.threshold, "block_size": dec.block_size,
                    "max_new_tokens": dec.max_new_tokens, "max_steps": dec.max_steps, "no_cache": dec.no_cache,
-                   "threshold_steps": dec.threshold_steps},
+                   "threshold_steps": dec.threshold_steps, "steps": dec.steps},
         "accuracy": sum(p["accuracy"] for p in per_seed) / len(per_seed),
         "accuracy_by_kind": {k: sum(v) / len(v) for k, v in sorted(kinds_ok.items())},
         # by kind and difficulty grade (Example.digits: the longest operand's length): {kind: {grade: [right, n]}}

@@ -34,3 +34,16 @@ def test_the_card_sets_the_default_and_flags_override_it(tmp_path, capsys):
 
 def test_models_without_a_card_have_no_card_decoding():
     assert decoding_of("no-such-model") == {} and decoding_of(None) == {}
+
+
+def test_a_uniform_state_card_sets_the_steps_per_block(tmp_path, capsys):
+    """A uniform-state model's card sets N (entropy-bound steps per block); --steps overrides it."""
+    folder = tmp_path / "u"
+    shutil.copytree(resolve_model_path("tiny-uniform"), folder)
+    card = json.loads((folder / "card.json").read_text())
+    card["decoding"] = {"steps": 3}
+    (folder / "card.json").write_text(json.dumps(card))
+    r = _eval(capsys, "--model", str(folder))
+    assert r["decode"]["steps"] == 3 and max(int(k) for k in r["passes_per_block_hist"]) <= 3
+    assert _eval(capsys, "--model", str(folder), "--steps", "5")["decode"]["steps"] == 5
+    assert _eval(capsys, "--model", str(resolve_model_path("tiny-uniform")))["decode"]["steps"] is None
