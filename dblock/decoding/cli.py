@@ -46,28 +46,12 @@ def _prompts(args, folder, cfg):
     """(labelled prompts, grader or None) from --task or --prompts; nothing is loaded but tokenizer.json."""
     tok = load_tokenizer(folder)
     if args.task:
-        from dblock.tasks import answer_text
         from dblock.tasks.cli import task_from_name
-        from dblock.tasks.evaluate import TokenizerAdapter
+        from dblock.tasks.evaluate import TokenizerAdapter, prompts_and_grader
         if tok is None:
             raise ValueError(f"--task needs a tokenizer.json in {folder}")
         task = task_from_name(args.task)
-        exs = task.examples("test", args.n)
-        adapter = TokenizerAdapter(tok)
-        prompts = [adapter.encode(e.prompt) for e in exs]
-        by_ids = {tuple(p): e.prompt for p, e in zip(prompts, exs)}
-
-        by_prompt = {e.prompt: e for e in exs}
-
-        def grader(ids, out):
-            text = answer_text(out, adapter)
-            if getattr(task, "style", None) != "code":
-                return task.grade(by_ids[tuple(ids)], text)
-            e = by_prompt[by_ids[tuple(ids)]]           # the code task: next line and token accuracy
-            cut = [int(t) for t in out]
-            cut = cut[:cut.index(adapter.eos_id)] if adapter.eos_id in cut else cut
-            sc = task.score(e, text, cut, adapter.encode(e.answer))
-            return {"correct": sc["next_line_exact"], "token_accuracy": sc["token_accuracy"]}
+        prompts, grader = prompts_and_grader(task, TokenizerAdapter(tok), task.examples("test", args.n))
         return [(f"--task {args.task} (test problem {i})", p) for i, p in enumerate(prompts)], grader
     path = args.prompts
     if os.path.isdir(path):

@@ -40,6 +40,26 @@ class TokenizerAdapter:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
 
+def prompts_and_grader(task, adapter: "TokenizerAdapter", examples) -> tuple:
+    """(token-id prompts, grader) for held-out `examples` of `task`: `grader(prompt_ids, output_ids)` is what
+    `compare_schedules` takes -- True/False on an arithmetic task; on the code task {"correct": next line exact,
+    "token_accuracy": ...} (the output cut at its first EOS)."""
+    from dblock.tasks import answer_text
+    prompts = [adapter.encode(e.prompt) for e in examples]
+    by_ids = {tuple(p): e for p, e in zip(prompts, examples)}
+
+    def grader(ids, out):
+        e = by_ids[tuple(ids)]
+        text = answer_text(out, adapter)
+        if getattr(task, "style", None) != "code":
+            return task.grade(e.prompt, text)
+        cut = [int(t) for t in out]
+        cut = cut[:cut.index(adapter.eos_id)] if adapter.eos_id in cut else cut
+        sc = task.score(e, text, cut, adapter.encode(e.answer))
+        return {"correct": sc["next_line_exact"], "token_accuracy": sc["token_accuracy"]}
+    return prompts, grader
+
+
 def _as_tokenizer(tokenizer: Any, model_or_forward: Any):
     if tokenizer is None:
         model = getattr(model_or_forward, "model", model_or_forward)

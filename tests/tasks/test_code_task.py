@@ -111,6 +111,26 @@ def test_grading_and_per_request_scores():
         CodeTask().grade(e.prompt, e.answer)
 
 
+def test_the_schedule_comparison_grader_scores_code_and_arithmetic():
+    """`prompts_and_grader` (what compare-schedules and the notebooks grade with): on the code task a dict of next
+    line exact and token accuracy, the output cut at its first EOS; on an arithmetic task True/False."""
+    from dblock.tasks.evaluate import TokenizerAdapter, prompts_and_grader
+    from dblock.weights_path import resolve_model_path
+    adapter = TokenizerAdapter.from_folder(resolve_model_path("code-masked"))
+    exs = CodeTask().examples("test", 2)
+    prompts, grader = prompts_and_grader(CodeTask(), adapter, exs)
+    assert prompts == [adapter.encode(e.prompt) for e in exs]
+    right = adapter.encode(exs[0].answer) + [adapter.eos_id] + adapter.encode("junk")
+    assert grader(prompts[0], right) == {"correct": True, "token_accuracy": 1.0}
+    g = grader(prompts[1], adapter.encode("x"))
+    assert g["correct"] is False and 0.0 <= g["token_accuracy"] < 1.0
+    arith = get_task("arith")
+    a_ad = TokenizerAdapter.from_folder(resolve_model_path("tiny-masked"))
+    ex = arith.examples("test", 1)
+    (p,), ag = prompts_and_grader(arith, a_ad, ex)
+    assert ag(p, a_ad.encode(ex[0].answer)) is True and ag(p, a_ad.encode(ex[0].answer + "1")) is False
+
+
 def test_bootstrap_cis_cover_the_mean_and_are_deterministic():
     vals = [0, 1, 1, 0, 1, 1, 1, 0, 1, 1]
     lo, hi = bootstrap_ci(vals)
