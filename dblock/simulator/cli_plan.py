@@ -124,8 +124,6 @@ def _inputs(args):
     cfg = cost.get_model(args.model)
     if args.rate is None and args.trace is None:
         raise ValueError("--rate or --trace: one is required (the load to plan for)")
-    if args.slo_itl is None and args.slo_ttft is None:
-        print("note: no --slo-itl or --slo-ttft: plans only keep up with the rate", file=sys.stderr)
     prompt, tokens, arrivals, rate = args.prompt, args.tokens, None, args.rate
     if args.trace:
         arrivals, p2, t2 = _trace_workload(args.trace)
@@ -150,10 +148,13 @@ def _inputs(args):
     if any(g & (g - 1) for g in gpus):
         raise ValueError(f"--gpus-per-replica {args.gpus_per_replica!r}: powers of two (1, 2, 4, 8, ...)")
     cal = _calibration(args.calibration)
+    caps = tuple(_ints(args.caps, "--caps", 1 << 16))
+    if args.slo_itl is None and args.slo_ttft is None:
+        print("note: no --slo-itl or --slo-ttft: plans only keep up with the rate", file=sys.stderr)
     return plan.Inputs(cfg=cfg, model=args.model, hardware=hws, prices=prices, rate=rate, prompt=prompt,
                        tokens=tokens, slo_itl=args.slo_itl, slo_ttft=args.slo_ttft, profile=profile,
                        uniform_state=args.model in cost.UNIFORM_STATE, cal=cal, gpus=gpus,
-                       caps=tuple(_ints(args.caps, "--caps", 1 << 16)), executors=execs, max_gpus=args.max_gpus,
+                       caps=caps, executors=execs, max_gpus=args.max_gpus,
                        top=args.top, requests=args.requests, arrivals=arrivals, seed=args.seed)
 
 
@@ -204,9 +205,10 @@ def _plan(args) -> int:
     if args.plot:
         check_out_file(args.plot, "--plot")
     inp = _inputs(args)
+    inp.frontier = bool(args.plot)
     res = plan.search(inp, progress=not args.json)
     if args.plot:
         from dblock.simulator.plots import plan_frontier
-        plan_frontier(res.candidates, res.plans, args.plot, f"{inp.model} at {inp.rate:.3g} req/s")
+        plan_frontier(res.points, res.plans, args.plot, f"{inp.model} at {inp.rate:.3g} req/s")
     _emit(args, res.as_dict(), _table(res, inp))
     return 0 if res.plans else 1

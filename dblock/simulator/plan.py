@@ -256,6 +256,7 @@ class Inputs:
     verify: bool = True
     arrivals: list | None = None
     seed: int = 0
+    frontier: bool = False              # also price every shape at 1.5x..4x its replicas (the Pareto plot)
 
     def __post_init__(self):
         if self.profile is None:
@@ -275,6 +276,7 @@ class Result:
     searched: int
     simulated: int
     stats: dict
+    points: list = field(default_factory=list)   # (hardware, cost_per_mtok, p95_itl_s) for the Pareto plot
 
     def as_dict(self) -> dict:
         return dict(plans=self.plans, binding=self.binding, searched=self.searched, simulated=self.simulated,
@@ -409,10 +411,20 @@ def search(inp: Inputs, progress: bool = False) -> Result:
     if vbar is not None:
         vbar.close()
     plans.sort(key=lambda p: (p["cost_per_mtok"], -p["headroom"]["rate"]))
+    points = []
+    if inp.frontier:   # more replicas buy latency: every shape at 1x..4x its replicas, analytic
+        for c in cands:
+            ev = evs[id(c)]
+            for mult in (1.0, 1.5, 2.0, 3.0, 4.0):
+                r = math.ceil(c["replicas"] * mult)
+                p = ev.predict(inp.rate / r)
+                if p is not None:
+                    points.append(dict(hardware=c["hardware"], p95_itl_s=p["p95_itl_s"],
+                                       cost_per_mtok=c["cost_per_mtok"] * r / c["replicas"]))
     for p in plans:
         p["band"] = band(inp, evs.get(id(p)) or _ev_of(inp, p, wss), p)
     binding = None if plans else "no cheap candidate held the SLOs in simulation (analytic and simulated disagree)"
-    return Result(plans, cands, dropped, binding, len(shapes), simulated, stats)
+    return Result(plans, cands, dropped, binding, len(shapes), simulated, stats, points)
 
 
 def _ev_of(inp: Inputs, p: dict, wss: dict) -> Evaluator:
