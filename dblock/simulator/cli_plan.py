@@ -55,6 +55,10 @@ def add_parsers(sub, common) -> None:
     p.add_argument("--requests", type=int_arg(20, 100_000), default=200,
                    help="requests per verifying simulation (default 200)")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the cost / P95 ITL Pareto frontier")
+    p.add_argument("--operator-profile", default=None, metavar="JSON",
+                   help="plan one replica on the machine this operator profile measured (`simulate profile`) "
+                        "instead of GPUs: the batch cap and executor holding the SLOs at the highest rate; the "
+                        "workload is the Native trace given with --liveness-from, replayed request by request")
 
 
 def _prices(items: list, kinds: list) -> dict:
@@ -200,10 +204,57 @@ def _table(res, inp) -> str:
     return "\n".join(lines)
 
 
+def _plan_profiled(args) -> int:
+    """`--operator-profile`: dblock/simulator/plan_profiled.py on a Native trace's requests."""
+    import os
+    from dblock.simulator import batch
+    from dblock.simulator.calibrate import Run
+    from dblock.simulator.plan_profiled import plan_profiled
+    from dblock.simulator.profile import Profile
+    if not os.path.isfile(args.operator_profile):
+        raise ValueError(f"--operator-profile {args.operator_profile}: no such file (write one with `dblock "
+                         "simulate profile --model M`)")
+    if not args.liveness_from or not os.path.isfile(args.liveness_from):
+        raise ValueError("--liveness-from: with --operator-profile give a Native trace file of the model "
+                         "(`dblock generate --trace`): its requests are the workload")
+    if args.slo_itl is None and args.slo_ttft is None:
+        raise ValueError("--slo-itl or --slo-ttft: with --operator-profile the plan is the highest rate holding one")
+    prof = Profile.load(args.operator_profile)
+    run = Run.load(args.liveness_from)
+    by: dict = {}
+    for b in run.blocks:
+        by.setdefault(str(b["request"]), []).append(b)
+    reqs = [r for r in run.requests if str(r["request"]) in by]
+    if not reqs:
+        raise ValueError(f"--liveness-from {args.liveness_from}: no request with block events")
+    mnt = int((run.header.get("decode") or {}).get("max_new_tokens") or 64)
+    wl = batch.Workload.from_runs([r["prompt_len"] for r in reqs], mnt, [by[str(r["request"])] for r in reqs],
+                                  run.block_size)
+    caps = _ints(args.caps, "--caps", 1 << 12)
+    execs = ["reference" if e.strip() == "dense" else e.strip() for e in args.executors.split(",") if e.strip()]
+    if any(e not in ("reference", "epoch") for e in execs):
+        raise ValueError(f"--executors {args.executors!r}: allowed dense (the reference executor), epoch")
+    out = plan_profiled(prof, wl, args.slo_itl, args.slo_ttft, caps, execs, n=min(args.requests, 200),
+                        seed=args.seed, progress=None if args.json else (lambda s: print(s, file=sys.stderr)))
+    lines = [f"one replica on {prof.meta.get('machine', '?')} (operator profile {args.operator_profile}); "
+             f"{len(reqs)} requests of the trace replayed"]
+    for p in out["plans"][:args.top]:
+        b = p["band"]
+        lines.append(f"executor {p['executor']:9s} cap {p['batch_cap']:4d}: {p['rate']:.3f} req/s, P95 ITL "
+                     f"{1e3 * p['p95_itl_s']:.0f} ms ({1e3 * b['itl_p95'][0]:.0f}–{1e3 * b['itl_p95'][1]:.0f}), "
+                     f"P95 TTFT {p['p95_ttft_s']:.2f} s, {p['throughput_tok_s']:.0f} tok/s")
+    if not out["plans"]:
+        lines.append("no executor and cap holds the SLOs at any rate on this machine")
+    _emit(args, out, "\n".join(lines))
+    return 0 if out["plans"] else 1
+
+
 def _plan(args) -> int:
     from dblock.simulator import plan
     if args.plot:
         check_out_file(args.plot, "--plot")
+    if args.operator_profile:
+        return _plan_profiled(args)
     inp = _inputs(args)
     inp.frontier = bool(args.plot)
     res = plan.search(inp, progress=not args.json)

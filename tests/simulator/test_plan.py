@@ -132,6 +132,8 @@ def test_out_of_memory_says_why(capsys):
     (["--slo-itl", "-1"], ["--slo-itl"]),
     (["--liveness-from", "/nonexistent/trace.jsonl"], ["--liveness-from", "no such file"]),
     (["--executors", "fast"], ["--executors", "dense, epoch"]),
+    (["--operator-profile", "/nonexistent/profile.json", "--slo-itl", "0.2"], ["--operator-profile", "no such file"]),
+    (["--trace", "/nonexistent/arrivals.txt"], ["--trace", "/nonexistent/arrivals.txt"]),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, argv, fragments):
     base = ["simulate", "plan", "--model", "llada2-mini", "--hardware", "h200", "--rate", "5"]
@@ -146,6 +148,17 @@ def test_bad_input_is_one_clear_error(tmp_path, argv, fragments):
 def test_rate_or_trace_is_required(tmp_path):
     o = run_cli(["simulate", "plan", "--hardware", "h200", "--slo-itl", "0.1"], tmp_path)
     assert check_contract(o) == "refused" and "--rate" in o.err
+
+
+def test_trace_arrivals_and_lengths_set_the_load(tmp_path, capsys):
+    trace = tmp_path / "engine.jsonl"
+    reqs = [dict(event="request", request=i, arrival_s=0.25 * i, prompt_len=200 + i, Y=96) for i in range(41)]
+    trace.write_text("\n".join(json.dumps(r) for r in reqs) + "\n")
+    rc, out = run(["simulate", "plan", *SMALL, "--trace", str(trace), "--slo-itl", "0.2", "--json"], capsys)
+    d = json.loads(out)["workload"]
+    assert d["rate"] == pytest.approx(40 / 10.0)                  # 41 arrivals over 10 s
+    assert d["native_y_mean"] == pytest.approx(96) and 200 <= d["native_prompt_mean"] <= 240
+    assert d["tokens"].startswith("empirical:")
 
 
 def test_per_pass_matches_its_definition():
