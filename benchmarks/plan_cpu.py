@@ -115,7 +115,7 @@ def measure(args, pl: dict) -> dict:
     try:
         warm = lg.load_prompts(f"task:{args.task}", 2, args.seed)
         lg.run_load(url, [0.0, 0.1], warm, pl["max_tokens"], args.seed)
-        for mult in (1.0, 1.25):
+        for mult in sorted({1.0, 1.25, *[float(x) for x in args.mults.split(",") if x.strip()]}):
             rate = best["rate"] * mult
             arr = lg.poisson_arrivals(rate, args.duration, args.seed)
             prompts = lg.load_prompts(f"task:{args.task}", len(arr), args.seed)
@@ -218,12 +218,24 @@ def report(args, pl: dict, runs: dict) -> str:
     def holds(m):
         return m["itl"]["p95"] <= args.slo_itl and m["ttft"]["p95"] <= args.slo_ttft
     h1, h2 = holds(m1), holds(m2)
+    more = sorted((float(k), v) for k, v in runs.items() if float(k) > 1.25)
+    if more:
+        lines.append("")
+        lines.append("Further multiples of the planned rate (measured; predicted at the run's arrivals in brackets): "
+                     + "; ".join(f"{k:g}x = {k * rate:.2f} req/s: P95 ITL {1e3 * v['itl']['p95']:.0f} ms "
+                                 f"[{1e3 * at_arrivals(args, pl, v)['p95_itl_s']:.0f}], P95 TTFT "
+                                 f"{v['ttft']['p95']:.2f} s, {v['throughput_tok_s']:.0f} tok/s, SLO "
+                                 f"{'holds' if holds(v) else 'fails'}" for k, v in more) + ".")
     lines.append("")
     lines.append(f"SLO at the planned rate: {'holds' if h1 else 'FAILS'}; at 1.25x: {'holds' if h2 else 'fails'}.")
     if h2:
+        fail = next((k for k, v in more if not holds(v)), None)
+        held = max([1.25] + [k for k, v in more if holds(v)])
         lines.append(f"The plan was conservative: at 1.25x the measured P95 ITL is "
                      f"{100 * (1 - m2['itl']['p95'] / args.slo_itl):.0f}% and P95 TTFT "
-                     f"{100 * (1 - m2['ttft']['p95'] / args.slo_ttft):.0f}% below the objectives.")
+                     f"{100 * (1 - m2['ttft']['p95'] / args.slo_ttft):.0f}% below the objectives; the SLO held up to "
+                     f"{held:g}x the planned rate" + (f" and failed at {fail:g}x." if fail else
+                                                    " (the highest multiple measured)."))
     elif not h1:
         worst = max(m1["itl"]["p95"] / args.slo_itl, m1["ttft"]["p95"] / args.slo_ttft)
         lines.append(f"The plan was optimistic: at the planned rate the measured P95s reach {worst:.2f}x the "
@@ -261,6 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--drift", default="probe", choices=["probe", "wall", "cpu", "none"],
                     help="scale the profile before planning: probe = a real server's calls at --probe-rate against "
                          "the profile's price (default); wall/cpu = its anchors re-timed now on that clock; none")
+    ap.add_argument("--mults", default="1,1.25",
+                    help="multiples of the planned rate to measure (1 and 1.25 always; more find where it fails)")
+    ap.add_argument("--reuse-plan", action="store_true", help="measure again with OUT/plan.json's plan")
     ap.add_argument("--probe-rate", type=float, default=1.0)
     ap.add_argument("--probe-duration", type=float, default=20.0)
     ap.add_argument("--out", default="runs/plan_cpu")
@@ -271,8 +286,11 @@ def main(argv=None) -> int:
     if args.analyse_only:
         pl, runs = json.load(open(pj)), json.load(open(lj))
     else:
-        pl = plan(args)
-        json.dump(pl, open(pj, "w"), indent=1)
+        if args.reuse_plan:
+            pl = json.load(open(pj))
+        else:
+            pl = plan(args)
+            json.dump(pl, open(pj, "w"), indent=1)
         runs = measure(args, pl)
         json.dump(runs, open(lj, "w"), indent=1)
     text = report(args, pl, runs)

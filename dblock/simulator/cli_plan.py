@@ -59,6 +59,9 @@ def add_parsers(sub, common) -> None:
                    help="plan one replica on the machine this operator profile measured (`simulate profile`) "
                         "instead of GPUs: the batch cap and executor holding the SLOs at the highest rate; the "
                         "workload is the Native trace given with --liveness-from, replayed request by request")
+    p.add_argument("--scale", type=float_arg(0.0, 1e3, lo_open=True), default=1.0,
+                   help="with --operator-profile: multiply every call's price (the machine now against the profile, "
+                        "e.g. the probe factor of benchmarks/plan_cpu.py; default 1)")
 
 
 def _prices(items: list, kinds: list) -> dict:
@@ -235,7 +238,7 @@ def _plan_profiled(args) -> int:
     if any(e not in ("reference", "epoch") for e in execs):
         raise ValueError(f"--executors {args.executors!r}: allowed dense (the reference executor), epoch")
     out = plan_profiled(prof, wl, args.slo_itl, args.slo_ttft, caps, execs, n=min(args.requests, 200),
-                        seed=args.seed, progress=None if args.json else (lambda s: print(s, file=sys.stderr)))
+                        seed=args.seed, scale=args.scale, progress=None if args.json else (lambda s: print(s, file=sys.stderr)))
     lines = [f"one replica on {prof.meta.get('machine', '?')} (operator profile {args.operator_profile}); "
              f"{len(reqs)} requests of the trace replayed"]
     for p in out["plans"][:args.top]:
