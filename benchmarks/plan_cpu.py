@@ -208,8 +208,8 @@ def report(args, pl: dict, runs: dict) -> str:
              f"{best['batch_cap']}, {rate:.3f} req/s ({pl['plan_s']:.0f} s to plan); measured with `dblock serve` + "
              f"`dblock loadgen`, {args.duration:g} s of arrivals per rate, {m1['ok']} and {m2['ok']} requests",
              "",
-             f"| quantity | plan ({pl['requests']} simulated requests; profile band) | predicted at the run's arrivals, "
-             f"{rate:.2f} req/s | measured | error | predicted at 1.25x ({1.25 * rate:.2f} req/s) | measured | error |",
+             f"| quantity | plan ({pl['requests']} simulated requests; profile band) | predicted at the run's "
+             f"arrivals, {rate:.2f} req/s | measured | error | predicted at 1.25x ({1.25 * rate:.2f} req/s) | measured | error |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p, band, q1, m, q2, mm2 in rows:
         lines.append(f"| {name} | {p:.3g} ({band[0]:.3g}..{band[1]:.3g}) | {q1:.3g} | {m:.3g} | {err(q1, m)} | "
@@ -251,9 +251,9 @@ def report(args, pl: dict, runs: dict) -> str:
     if pc:
         sel = [r for r in pc if r["calls"] >= 5 and r["batch"] in (0, 1, 4, 8, 12, 16)]
         lines.append("Denoising calls of the real server at the two validated rates (its trace) against the plan's "
-                     "price of the same shapes (median by batch; 0 = all): " + "; ".join(f"batch {r['batch']}: {r['measured_ms']:.0f} ms measured, "
-                                                         f"{r['predicted_ms']:.0f} predicted (x{r['ratio']:.2f})"
-                                                         for r in sel) + ".")
+                     "price of the same shapes (median by batch; 0 = all): "
+                     + "; ".join(f"batch {r['batch']}: {r['measured_ms']:.0f} ms measured, "
+                                 f"{r['predicted_ms']:.0f} predicted (x{r['ratio']:.2f})" for r in sel) + ".")
     return "\n".join(lines)
 
 

@@ -115,7 +115,6 @@ def _trace_workload(path: str):
 
 
 def _inputs(args):
-    from dataclasses import replace
     from dblock.simulator import cost, hardware, plan
     from dblock.simulator.cli_roofline import _calibration
     from dblock.simulator.positions import ParametricProfile
@@ -192,7 +191,8 @@ def _table(res, inp) -> str:
         b = p["band"]
         lines.append(f"{i:>2} {p['hardware']:8s} {p['gpus']:>4d} ({_rng(b['gpus'], lambda v: f'{v:.0f}'):>7s}) "
                      f"{p['tp']}x{p['ep']}x{p['sp']:<4} {p['replicas']:>5d} {p['batch_cap']:>4d} {p['executor']:8s} "
-                     f"{p['schedule']:6s} {p['cost_per_mtok']:>6.2f} ({_rng(b['cost_per_mtok'], lambda v: f'{v:.2f}'):>11s})"
+                     f"{p['schedule']:6s} {p['cost_per_mtok']:>6.2f} "
+                     f"({_rng(b['cost_per_mtok'], lambda v: f'{v:.2f}'):>11s})"
                      f" {1e3 * p['p95_itl_s']:>6.1f} ({_rng(b['p95_itl_s'], lambda v: f'{1e3 * v:.0f}'):>9s}) "
                      f"{p['p95_ttft_s']:>6.2f} ({_rng(b['p95_ttft_s'], lambda v: f'{v:.2f}'):>9s}) "
                      f"{100 * p['headroom']['rate']:>8.0f}% {b['dominant']}")
@@ -238,7 +238,8 @@ def _plan_profiled(args) -> int:
     if any(e not in ("reference", "epoch") for e in execs):
         raise ValueError(f"--executors {args.executors!r}: allowed dense (the reference executor), epoch")
     out = plan_profiled(prof, wl, args.slo_itl, args.slo_ttft, caps, execs, n=min(args.requests, 200),
-                        seed=args.seed, scale=args.scale, progress=None if args.json else (lambda s: print(s, file=sys.stderr)))
+                        seed=args.seed, scale=args.scale,
+                        progress=None if args.json else (lambda s: print(s, file=sys.stderr)))
     lines = [f"one replica on {prof.meta.get('machine', '?')} (operator profile {args.operator_profile}); "
              f"{len(reqs)} requests of the trace replayed"]
     for p in out["plans"][:args.top]:

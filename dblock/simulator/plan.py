@@ -18,7 +18,8 @@ per hour; cost per million output tokens = r·g·price / (λ·Ȳ·3600) · 10⁶
 3. Per replica shape: the weights alone must fit (else dropped: OOM, with the bytes); the batch caps whose peak
    memory (`cost.memory`, KV reserved per request: P95 of prompt + answer) fits; the highest rate holding the SLOs
    (bisection on the analytic prediction) and the rate at which the mean batch fills the largest cap
-   that fits (its P95 swing B + 1.645·√B within the cap). r = ⌈λ / that rate⌉; the cap chosen is the smallest that fits the replica's load.
+   that fits (its P95 swing B + 1.645·√B within the cap). r = ⌈λ / that rate⌉; the cap chosen is the smallest
+   that fits the replica's load.
 4. The cheapest shapes (one per hardware, g, executor, schedule) are re-simulated with the SimPy serving model
    (`serving.simulate_serving`) at their settings; a plan is kept only when the simulation meets the SLOs too (one
    more replica is tried when it does not). The table shows the simulated P95s.
@@ -463,13 +464,14 @@ def _binding(dropped: list, inp: Inputs) -> str:
 
 def simulate(inp: Inputs, ev: Evaluator, plan: dict) -> dict:
     """Re-simulate one replica of a plan with the SimPy serving model at its settings."""
-    from dblock.simulator.serving import ServeConfig, simulate_serving
+    from dblock.simulator.serving import simulate_serving
     sc = serve_config(inp, ev, plan)
     res = simulate_serving(sc)
     itl, ttft = res.itl["p95"], res.ttft["p95"]
     # a TTFT objective sees the queue; without one the engine must keep up (or never fill its cap)
     keeps_up = inp.slo_ttft is not None or res.stable or res.peak_batch < plan["batch_cap"]
-    meets = (not res.oom and keeps_up and (inp.slo_itl is None or itl <= inp.slo_itl) and (inp.slo_ttft is None or ttft <= inp.slo_ttft))
+    meets = (not res.oom and keeps_up and (inp.slo_itl is None or itl <= inp.slo_itl)
+             and (inp.slo_ttft is None or ttft <= inp.slo_ttft))
     return dict(p95_itl_s=itl, p95_ttft_s=ttft, throughput_tok_s=res.throughput, peak_batch=res.peak_batch,
                 oom=res.oom, stable=res.stable, meets=bool(meets), requests=sc.requests)
 
