@@ -199,7 +199,8 @@ def _table(res, inp) -> str:
     p = res.plans[0]
     b = p["band"]
     lines.append(f"cheapest: {_rng(b['gpus'], lambda v: f'{v:.0f}')} {p['hardware'].upper()}s "
-                 f"({p['gpus']} planned: {p['replicas']} replicas of {p['gpus_per_replica']}), "
+                 f"({p['gpus']} planned: {p['replicas']} replica{'s' if p['replicas'] > 1 else ''} of "
+                 f"{p['gpus_per_replica']}), "
                  f"${p['cost_per_hour']:.0f}/h; the band comes mostly from the {b['dominant']} "
                  f"(efficiency factors, decode profile: n̄ ±20% and liveness uniform vs trace, α on OBA)")
     lines.append("P95s: simulated (SimPy serving model, one replica at rate/replicas); headroom: the extra load the "
