@@ -182,6 +182,13 @@ def _table(res, inp) -> str:
             f"{inp.profile.nbar:.2f} passes per {inp.cfg.block_size}-token block)\n"
             f"searched {res.searched} replica shapes ({len(res.dropped)} dropped: "
             f"{sum(1 for _, w in res.dropped if w.startswith('OOM'))} out of memory), simulated {res.simulated}")
+    oom, seen = [], set()
+    for sh, why in res.dropped:
+        if why.startswith("OOM") and (sh.hardware, sh.gpus) not in seen and len(oom) < 4:
+            seen.add((sh.hardware, sh.gpus))
+            oom.append(f"  {sh.hardware} x{sh.gpus} (TP{sh.tp} EP{sh.ep} SP{sh.sp}, {sh.executor}): {why}")
+    if oom:
+        head += "\nout of memory, for example:\n" + "\n".join(oom)
     if not res.plans:
         return head + f"\nno plan meets the SLOs: {res.binding}"
     lines = [head, f"{'#':>2} {'hardware':8s} {'GPUs (band)':>14s} {'TPxEPxSP':>9s} {'repl':>5s} {'cap':>4s} "

@@ -123,6 +123,9 @@ def test_out_of_memory_says_why(capsys):
     assert d["plans"] == [] and "memory binds" in d["binding"]
     assert d["dropped"] and all(x["reason"].startswith("OOM: weights") and "GB per GPU" in x["reason"]
                                 for x in d["dropped"])
+    rc, out = run(["simulate", "plan", "--model", "llada2-flash", "--hardware", "h200", "--gpus-per-replica", "2,4",
+                   "--executors", "epoch", "--rate", "5", "--slo-itl", "0.3", "--requests", "40", "--top", "1"], capsys)
+    assert "out of memory, for example:" in out and "h200 x2" in out and "OOM: weights" in out
 
 
 @pytest.mark.parametrize("argv,fragments", [
@@ -202,6 +205,16 @@ def test_simulate_pass_reads_liveness_from_a_trace(capsys):
     assert trace["liveness"]["fresh"] == pytest.approx(lt.fresh) and uniform["liveness"]["source"] == "uniform"
     assert trace["rows"][0]["dense_s"] == pytest.approx(uniform["rows"][0]["dense_s"])   # dense reads no liveness
     assert trace["rows"][0]["epoch_s"] != pytest.approx(uniform["rows"][0]["epoch_s"])
+
+
+def test_simulate_serve_draws_its_blocks_from_the_trace(capsys):
+    argv = ["simulate", "serve", "--json", "--rates", "8", "--requests", "40", "--path", "dense"]
+    rc, out = run(argv + ["--liveness-from", "code-masked"], capsys)
+    rc2, out2 = run(argv, capsys)
+    trace, uniform = json.loads(out)["curves"]["dense"][0], json.loads(out2)["curves"]["dense"][0]
+    assert rc == rc2 == 0
+    # the trace's blocks live ~6.9 passes instead of ~10: every commit comes sooner
+    assert trace["itl"]["p50"] < uniform["itl"]["p50"]
 
 
 def test_models_carry_their_published_sizes():
