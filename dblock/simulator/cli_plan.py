@@ -42,7 +42,8 @@ def add_parsers(sub, common) -> None:
     p.add_argument("--slo-ttft", type=float_arg(0.0, 1e6, lo_open=True), default=None,
                    help="P95 time-to-first-token objective (s)")
     p.add_argument("--passes", default=None,
-                   help="Native passes per block (default gamma:10,0.3; ignored with --liveness-from)")
+                   help="Native passes per block (default gamma:10,0.3; diffusion-gemma: the OBA paper's n̄ 13.1; "
+                        "ignored with --liveness-from)")
     p.add_argument("--liveness-from", default=None, metavar="TRACE",
                    help="Native decode trace (or code-masked, the bundled one) for passes and liveness instead of "
                         "the uniform assumption")
@@ -145,6 +146,9 @@ def _inputs(args):
                              f"decodes blocks of {cfg.block_size}")
     else:
         passes = args.passes or "gamma:10,0.3"
+        if args.passes is None and args.model == "diffusion-gemma":   # the OBA paper's Native(256) n̄ on it
+            from dblock.simulator.papers import paper_native_nbar
+            passes = f"gamma:{paper_native_nbar():.2f},0.3"
         _dist(passes, "--passes", 1e4)
         profile = ParametricProfile(C=cfg.block_size, passes=passes)
     execs = tuple(e.strip() for e in args.executors.split(",") if e.strip())
