@@ -1,4 +1,4 @@
-"""`dblock simulate oba|alpha|pass|serve|search|calibrate ...` — thin: parse, call the library, print.
+"""`dblock simulate oba|alpha|pass|serve|search|plan|calibrate ...` — thin: parse, call the library, print.
 
 `dblock/cli.py` calls `add_parser(subparsers)`; each `simulate` subcommand runs its `set_defaults(_run=...)` function.
 Errors are `ValueError`s with one clear message; the top-level CLI prints them as one line. Numeric flags carry
@@ -8,7 +8,8 @@ refused at parse time, naming the flag. Work that would not finish (`oba --simul
 
 One module per subcommand group, each adding its subcommands (`add_parsers`) and holding their run functions:
 `cli_oba` (oba, alpha: the One Block Ahead closed forms and α), `cli_roofline` (pass, serve, search: the roofline
-pass cost and the SimPy serving model over it), `cli_profile` (calibrate, profile, predict, validate: the simulator
+pass cost and the SimPy serving model over it), `cli_plan` (plan: the cheapest deployment meeting an SLO),
+`cli_profile` (calibrate, profile, predict, validate: the simulator
 fitted to this machine); `cli_common` holds their shared flag parsing and output.
 """
 from __future__ import annotations
@@ -17,14 +18,14 @@ import argparse
 import sys
 
 from dblock.cli_args import ArgumentParser, seed_arg
-from dblock.simulator import cli_oba, cli_profile, cli_roofline
+from dblock.simulator import cli_oba, cli_plan, cli_profile, cli_roofline
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("simulate", help="capacity planning: OBA closed forms, alpha, pass cost, serving",
                               description="Simulate block-diffusion MoE decoding and serving (see SIMULATOR.md).")
     sub = p.add_subparsers(dest="sim_command",
-                           metavar="{oba,alpha,pass,serve,search,calibrate,profile,predict,validate}")
+                           metavar="{oba,alpha,pass,serve,search,plan,calibrate,profile,predict,validate}")
     sub.required = True
 
     def common(sp):
@@ -34,6 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     cli_oba.add_parsers(sub, common)
     cli_roofline.add_parsers(sub, common)
+    cli_plan.add_parsers(sub, common)
     cli_profile.add_parsers(sub, common)
     return p
 

@@ -30,6 +30,7 @@ def add_parsers(sub, common) -> None:
     ps.add_argument("--max-context", type=int_arg(1, 1 << 26), default=4096,
                     help="KV cache tokens reserved per request")
     ps.add_argument("--plot", default=None, metavar="PNG", help="write the Epoch/dense speedup-vs-batch plot")
+    _liveness_arg(ps)
 
     sv = sub.add_parser("serve", help="SimPy serving model: P95 ITL, TTFT, throughput vs request rate")
     common(sv)
@@ -68,6 +69,26 @@ def _serve_args(sp):
     sp.add_argument("--tokens", default="lognormal:256,0.5", help="response-length distribution")
     sp.add_argument("--passes", default="gamma:10,0.3", help="Native passes-per-block distribution")
     sp.add_argument("--requests", type=int_arg(1, 1_000_000), default=300, help="requests per simulated run")
+    _liveness_arg(sp)
+
+
+def _liveness_arg(sp):
+    sp.add_argument("--liveness-from", default=None, metavar="TRACE",
+                    help="a Native decode trace (`dblock generate --trace`, a `compare-schedules --trace-dir` "
+                         "folder) or code-masked (the bundled one): its blocks' passes and per-position accept "
+                         "passes replace the uniform liveness assumption (and --passes)")
+
+
+def _trace_profile(args, C: int):
+    """The --liveness-from profile (None without the flag), checked against the model's block size."""
+    if not getattr(args, "liveness_from", None):
+        return None
+    from dblock.simulator.liveness import trace_profile
+    prof = trace_profile(args.liveness_from)
+    if prof.C != C:
+        raise ValueError(f"--liveness-from {args.liveness_from}: blocks of {prof.C} tokens; {args.model} decodes "
+                         f"blocks of {C}")
+    return prof
 
 
 def _calibration(text: str, cache_len: float = 512.0):
@@ -101,11 +122,17 @@ def _pass(args) -> int:
     if args.calibration == "fig2":
         fig2 = papers.fig2_calibration(setup)
         fig2 = dict(fit=fig2["fit"], targets=fig2["targets"], roofline_batch1_s=fig2["roofline_batch1_s"])
-    rows = papers.epoch_batch_trend(cal, _ints(args.batch, "--batch"), setup, max_context=args.max_context)
+    from dblock.simulator.liveness import LivenessProfile
+    tprof = _trace_profile(args, cfg.block_size)
+    live = LivenessProfile.from_profile(tprof if tprof is not None else papers.LLADA2_PROFILE)
+    rows = papers.epoch_batch_trend(cal, _ints(args.batch, "--batch"), setup, liveness=live,
+                                    max_context=args.max_context)
     rs = {lay: cost.r_of(cfg, lay, hw, par, cal, cache_len=args.cache_len) for lay in ("oba", "dense_mask", "native2c")}
     data = dict(model=args.model, hardware=hw.name, parallel=vars(par), calibration=vars(cal), r_batch1=rs, rows=rows,
-                fig2=fig2)
-    lines = [f"{hw.name}, TP={par.tp} EP={par.ep} SP={par.sp}, calibration {vars(cal)}"]
+                fig2=fig2, liveness=dict(live.as_dict(), source=args.liveness_from or "uniform"))
+    lines = [f"{hw.name}, TP={par.tp} EP={par.ep} SP={par.sp}, calibration {vars(cal)}",
+             f"liveness ({args.liveness_from or 'uniform assumption, n̄ = 10'}): live share {live.live:.3f}, fresh "
+             f"share {live.fresh:.3f}, {live.passes:.2f} passes per block"]
     if fig2:
         f, t = fig2["fit"], fig2["targets"]
         lines.append(f"Figure 2 fit: batch-1 pass {1e3 * f['t_batch1']:.1f} ms (paper {1e3 * t['t_batch1']:.1f}), "
@@ -137,8 +164,8 @@ def _serve_config(args, path: str):
     _dist(args.prompt, "--prompt", 1e7)
     _dist(args.tokens, "--tokens", 1e7)
     _dist(args.passes, "--passes", 1e5)
-    return ServeConfig(cfg, hw, par, cal, path=path, schedule=args.schedule,
-                       profile=ParametricProfile(C=cfg.block_size, passes=args.passes), prompt=args.prompt,
+    prof = _trace_profile(args, cfg.block_size) or ParametricProfile(C=cfg.block_size, passes=args.passes)
+    return ServeConfig(cfg, hw, par, cal, path=path, schedule=args.schedule, profile=prof, prompt=args.prompt,
                        tokens=args.tokens, batch_cap=args.batch_cap, requests=args.requests, seed=args.seed)
 
 

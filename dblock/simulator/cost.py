@@ -75,7 +75,35 @@ def llada_moe_7b() -> ModelConfig:
         rope_theta=50000, max_position_embeddings=8192, qk_layernorm=True), "LLaDA-MoE-7B (docs/models.md)")
 
 
-MODELS = {"llada2-mini": llada2_mini, "llada-moe-7b": llada_moe_7b}
+def llada2_flash() -> ModelConfig:
+    """LLaDA2.0-flash (100B-A6.1B) from docs/models.md: LLaDA2.0-mini's code at Ling-flash-2.0's shapes."""
+    return llada_config_from_dict(dict(
+        model_type="llada2_moe", vocab_size=157184, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=9216, moe_intermediate_size=1024, num_experts=256,
+        num_experts_per_tok=8, num_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, score_function="sigmoid", moe_router_enable_expert_bias=True, norm_topk_prob=True,
+        use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=600000, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, pad_token_id=156892), "LLaDA2.0-flash (docs/models.md)")
+
+
+def diffusion_gemma() -> ModelConfig:
+    """DiffusionGemma-26B-A4B's text model (docs/models.md) as the cost model's LLaDA shape, for pricing only:
+    the dense MLP that runs beside the experts in every layer is a shared expert of the same width (3 x 704 = 2112:
+    the same FLOPs and bytes), every layer is MoE, the sliding layers are priced as full attention (an upper bound
+    past the 1024-token window), the canvas is the block (C = 256). Uniform-state: OBA applies."""
+    return llada_config_from_dict(dict(
+        model_type="llada2_moe", vocab_size=262144, hidden_size=2816, num_hidden_layers=30, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, intermediate_size=2112, moe_intermediate_size=704, num_experts=128,
+        num_experts_per_tok=8, num_shared_experts=3, n_group=1, topk_group=1, first_k_dense_replace=0,
+        score_function="sigmoid", max_position_embeddings=32768, block_size=256, mask_token_id=4,
+        eos_token_id=1, pad_token_id=0),
+        "DiffusionGemma-26B-A4B, priced as a LLaDA shape (docs/models.md)")
+
+
+MODELS = {"llada2-mini": llada2_mini, "llada2-flash": llada2_flash, "llada-moe-7b": llada_moe_7b,
+          "diffusion-gemma": diffusion_gemma}
+#: models whose waiting block decodes (uniform-state): One Block Ahead can pay on them (docs/algorithms.md §3)
+UNIFORM_STATE = {"diffusion-gemma"}
 
 
 def get_model(name_or_path: str) -> ModelConfig:

@@ -16,6 +16,8 @@ the passes a serving engine actually runs.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,16 +33,11 @@ def per_pass(accept: np.ndarray, m_c: int = 5, n: int | None = None) -> tuple[np
     acc = np.asarray(accept)
     C = acc.size
     n = int(max(1, acc.max(initial=1))) if n is None else int(n)
-    live = np.empty(n)
-    fresh = np.empty(n)
-    for j in range(1, n + 1):
-        decoded = (acc >= 0) & (acc < j)
-        live[j - 1] = C - decoded.sum()
-        new = (acc == j - 1).sum() if j > 1 else 0
-        if j == 1 or (j - 1) % m_c == 0:
-            fresh[j - 1] = C
-        else:
-            fresh[j - 1] = live[j - 1] + new
+    j = np.arange(1, n + 1)
+    live = C - ((acc >= 0)[None, :] & (acc[None, :] < j[:, None])).sum(1).astype(float)
+    new = (acc[None, :] == (j - 1)[:, None]).sum(1)
+    new[0] = 0
+    fresh = np.where((j == 1) | ((j - 1) % m_c == 0), float(C), live + new)
     return live / C, fresh / C
 
 
@@ -89,3 +86,71 @@ class LivenessProfile:
         return dict(live=self.live, fresh=self.fresh, passes=self.passes, m_c=self.m_c,
                     live_by_u=None if self.live_by_u is None else self.live_by_u.tolist(),
                     fresh_by_u=None if self.fresh_by_u is None else self.fresh_by_u.tolist())
+
+
+# ---- liveness measured on a trace --------------------------------------------------------------------------
+
+#: the bundled default: code-masked's Native decode at its card settings (block 32); made by the command in the file
+BUNDLED = {"code-masked": os.path.join(os.path.dirname(__file__), "data", "liveness_code_masked.json")}
+_CONVERT_COMMAND = ("dblock compare-schedules --model code-masked --task code --n 64 --schedules native --trace-dir "
+                    "DIR && python -m dblock.simulator.liveness DIR/native.jsonl > "
+                    "dblock/simulator/data/liveness_code_masked.json")
+
+
+def _block_events(path: str) -> tuple[list[dict], dict]:
+    """Block events and a header from a JSON-lines trace, a trace directory (its native.jsonl) or a bundled JSON."""
+    from dblock.trace import events, read_trace
+    if os.path.isdir(path):
+        cand = os.path.join(path, "native.jsonl")
+        if not os.path.isfile(cand):
+            raise ValueError(f"--liveness-from {path}: a trace directory without native.jsonl (write one with "
+                             "`dblock compare-schedules --schedules native --trace-dir DIR`)")
+        path = cand
+    if not os.path.isfile(path):
+        raise ValueError(f"--liveness-from {path}: no such file (allowed: a `dblock generate --trace` file, a "
+                         f"`compare-schedules --trace-dir` directory, or {', '.join(BUNDLED)})")
+    if path.endswith(".json"):
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            return list(d["blocks"]), {k: v for k, v in d.items() if k != "blocks"}
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"--liveness-from {path}: not a liveness file (a JSON object with 'blocks')") from None
+    ev = list(read_trace(path))
+    run = next((e for e in ev if e.get("event") == "run"), {})
+    return events(ev, "block"), dict(model=run.get("model"), schedule=run.get("schedule"), decode=run.get("decode"))
+
+
+def trace_profile(path_or_name: str):
+    """The Native block profile (`positions.EmpiricalProfile`: passes and per-position accept passes) of a trace,
+    a trace directory, or a bundled name (`code-masked`): what `--liveness-from` puts in place of the uniform
+    assumption. Refuses a trace that is not a Native run or has no `accept_pass` lists."""
+    from dblock.simulator.positions import EmpiricalProfile
+    path = BUNDLED.get(path_or_name, path_or_name)
+    blocks, head = _block_events(path)
+    sched = head.get("schedule")
+    if sched not in (None, "native"):
+        raise ValueError(f"--liveness-from {path_or_name}: a {sched} trace; liveness is read from a Native run")
+    try:
+        prof = EmpiricalProfile.from_block_events(blocks)
+    except ValueError:
+        raise ValueError(f"--liveness-from {path_or_name}: no block event carries accept_pass (trace a Native "
+                         "decode with `dblock generate --trace` or `compare-schedules --trace-dir`)") from None
+    prof.source = str(path_or_name)
+    return prof
+
+
+def _main(argv=None) -> int:  # pragma: no cover - the command that wrote the bundled file
+    """Print the compact liveness JSON of a Native trace (the bundled data file's format)."""
+    import sys
+    path = (argv or sys.argv[1:])[0]
+    blocks, head = _block_events(path)
+    out = dict(what="Native block events (per-position accept passes) for `--liveness-from`", command=_CONVERT_COMMAND,
+               **head, blocks=[dict(passes=b["passes"], size=b.get("size"), tokens=b.get("tokens"),
+                                    accept_pass=b["accept_pass"]) for b in blocks if b.get("accept_pass")])
+    print(json.dumps(out, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(_main())

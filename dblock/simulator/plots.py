@@ -171,3 +171,32 @@ def draw_ratio_bars(ax, bars: list[dict]):
     ax.set_xticklabels([b["name"] for b in bars], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("ratio to Native")
     ax.legend(loc="upper center", ncol=3, fontsize=8)
+
+
+def plan_frontier(points: list[dict], plans: list[dict], path: str, title: str = ""):
+    """Cost per million output tokens vs predicted P95 ITL (`simulate plan --plot`): every shape that fits at 1x..4x
+    the replicas it needs (analytic), the Pareto frontier (nothing both cheaper and faster), the plans (simulated)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k in sorted({c["hardware"] for c in points}):
+        cs = [c for c in points if c["hardware"] == k]
+        ax.scatter([1e3 * c["p95_itl_s"] for c in cs], [c["cost_per_mtok"] for c in cs], s=8, alpha=0.4, label=k)
+    pts = sorted((1e3 * c["p95_itl_s"], c["cost_per_mtok"]) for c in points)
+    front, best = [], float("inf")
+    for x, y in pts:
+        if y < best:
+            front.append((x, y))
+            best = y
+    if front:
+        ax.step([x for x, _ in front], [y for _, y in front], where="post", c="k", lw=1.2, label="Pareto frontier")
+    if plans:
+        ax.scatter([1e3 * p["p95_itl_s"] for p in plans], [p["cost_per_mtok"] for p in plans], marker="*", s=120,
+                   c="red", zorder=5, label="plans (P95 simulated)")
+    ax.set_xlabel("P95 ITL (ms; analytic for the cloud, simulated for the plans)")
+    ax.set_ylabel("US$ per million output tokens")
+    ax.set_yscale("log")
+    ax.set_title(title or "capacity plan: cost vs latency")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
