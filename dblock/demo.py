@@ -262,6 +262,9 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
                                     "δ; `dblock simulate validate` predicts it held out) and r, β on the same rows "
                                     "(no operator profile for this family); finite-length run "
                                     f"(transient factor φ), all {x['R']} requests in one batch")
+        if model.config.family == "diffusion_gemma" and x["schedule"] == "oba" and alpha is not None:
+            from dblock.simulator.papers import oba_gb300_verdict      # the paper's setting, with the α measured here
+            x["gb300"] = oba_gb300_verdict(alpha)
         lo, hi = x["measured_band"]
         x["verdict"] = _verdict(lo, hi)
         p = x["predicted_tps_ratio"]
@@ -333,6 +336,16 @@ def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
             parts = ", ".join(f"{k} {v['value']:.3f}" for k, v in ins.items()
                               if isinstance(v.get("value"), (int, float)))
             print(f"  {x['model']} {x['executor']} {x['schedule']}: {parts}. {x['prediction_note']}")
+    for x in rows:
+        g = x.get("gb300")
+        if g:
+            say = lambda ok: "pays" if ok else "does not pay"
+            print(f"\n{x['model']} OBA in the One Block Ahead paper's setting (DiffusionGemma, one GB300, batch 1) with "
+                  f"the α measured here ({g['alpha']:.2f}): r from the simulator's DiffusionGemma pass "
+                  f"{g['r']:.2f} (Figure 2 calibration; {g['r_roofline']:.2f} as a pure roofline; the paper measured "
+                  f"{g['r_paper']:.2f}) -> (1+α)/r = {g['tps_ratio']:.2f}, {say(g['pays'])} "
+                  f"({g['tps_ratio_roofline']:.2f}, {say(g['pays_roofline'])} on the roofline r); on this CPU: "
+                  f"{x.get('verdict', '-')}")
     for x in rows:
         if x["schedule"] in ("oba", "flowblock") and x.get("family") == "llada2_moe":
             print(f"\nnote: on masked models ({x['model']}) OBA and FlowBlock keep Native's answers: masked diffusion "

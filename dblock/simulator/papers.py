@@ -83,6 +83,22 @@ def oba_position_predictions(responses: int = 300, blocks_per_response: str = "c
     return out
 
 
+def oba_gb300_verdict(alpha: float, cache_len: float = 512.0) -> dict:
+    """The break-even verdict of OBA in the paper's setting -- DiffusionGemma on one GB300, batch 1 -- for an α
+    measured elsewhere (e.g. on a bundled model on this CPU): r from the simulator's pass cost of DiffusionGemma's
+    dimensions (`cost.get_model("diffusion-gemma")`, TP = EP = SP = 1, a `cache_len` committed prefix), both with the
+    Figure 2 calibration (the default of `dblock simulate pass`) and as a pure roofline; the verdict uses the
+    calibrated r. The paper's own measured r is given beside them: the simulator predicts r, it was not fitted to it."""
+    g = cost.get_model("diffusion-gemma")
+    hw, par = hardware.get("gb300"), cost.Parallel(1, 1, 1)
+    cal = fig2_calibration(epoch_setup(cache_len))["cal"]
+    r = cost.r_of(g, "oba", hw, par, cal, cache_len=cache_len)
+    r_roof = cost.r_of(g, "oba", hw, par, cost.Calibration(), cache_len=cache_len)
+    return dict(alpha=alpha, r=r, r_roofline=r_roof, r_paper=OBA_PAPER["r_oba"], tps_ratio=oba.tps_ratio(alpha, r),
+                tps_ratio_roofline=oba.tps_ratio(alpha, r_roof), pays=oba.pays(alpha, r),
+                pays_roofline=oba.pays(alpha, r_roof), break_even=oba.break_even(r))
+
+
 # ---- Epoch ----------------------------------------------------------------------------------------------------
 
 EPOCH_FIG2 = dict(t_batch1=76.4e-3, moe_share_batch1=0.60, moe_share_batch32=0.77)

@@ -45,6 +45,13 @@ def test_prediction_is_never_null_and_the_verdict_follows_the_band(slow):
     else:
         assert lo <= 1 <= hi
     assert x["prediction_agrees"]
+    # beside this CPU's verdict, the paper's GB300 setting with the α measured here (r from the simulator)
+    from dblock.simulator import oba as oba_model, papers
+    g = x["gb300"]
+    assert g["alpha"] == x["prediction_inputs"]["alpha"]["value"] and g["r"] > 1 and g["r_roofline"] > 1
+    assert g["pays"] == (g["alpha"] > g["r"] - 1) and g["tps_ratio"] == pytest.approx(oba_model.tps_ratio(
+        g["alpha"], g["r"]))
+    assert papers.oba_gb300_verdict(g["r"] - 1 + 0.01)["pays"] and not papers.oba_gb300_verdict(g["r"] - 1.01)["pays"]
 
 
 def test_the_demo_remeasures_a_profile_of_other_executor_code(tmp_path, monkeypatch):
@@ -103,3 +110,19 @@ def test_the_demos_quick_profile_has_its_own_file_and_the_demos_batch(tmp_path, 
     full = profile_mod.default_path("m", profiler.machine_tag())
     Profile(dict(anchor={"x": 2.0}, code=code_fingerprint()), {"epoch_moe": t}).save(full)
     assert demo._profile_for("m", None, None, True).meta["anchor"] == {"x": 2.0} and len(seen) == 1
+
+
+def test_the_oba_row_prints_the_gb300_verdict_beside_this_cpus(capsys):
+    nat = [run(100, 10, 60, 1.0 + 0.01 * i) for i in range(3)]
+    oba = [run(100, 10, 45, 0.9 + 0.01 * i, den_base_s=(0.9 + 0.01 * i) / 1.3, calls=(4, 2)) for i in range(3)]
+    rows = [row("native", nat, nat), row("oba", oba, nat)]
+    demo._predict("m", SimpleNamespace(config=SimpleNamespace(family="diffusion_gemma", block_size=16)), rows, None,
+                  True)
+    for x in rows:
+        x.update(accuracy=0.5, identical=1.0, TPF=1.0, TPS=10.0, passes_per_block=4.0)
+    demo._print(rows, ["tiny-uniform"], 3, 1.0)
+    out = capsys.readouterr().out
+    g = rows[1]["gb300"]
+    line = next(s for s in out.splitlines() if "GB300" in s)
+    assert f"{g['r']:.2f}" in line and f"{g['tps_ratio']:.2f}" in line and f"on this CPU: {rows[1]['verdict']}" in line
+    assert ("does not pay" in line.split("->")[1].split(",")[1]) != g["pays"]
