@@ -109,17 +109,25 @@ def expected_passes_exact(nbar: float, alpha: float, blocks_per_response: Sequen
     return float(np.sum(ns * (Ki + alpha * (1.0 - (-alpha) ** Ki) / (1.0 + alpha))))
 
 
-def _solve_single_root(f, what: str) -> float:
-    """The single root of f on [−1/2, 1): a grid scan for sign changes, then Brent's method in each bracket."""
+def _exact_on_grid(nbar: float, alphas: np.ndarray, blocks_per_response) -> np.ndarray:
+    """`expected_passes_exact` at every α of `alphas` at once (responses grouped by their block count)."""
+    ks, counts = np.unique(np.asarray(blocks_per_response, dtype=float), return_counts=True)
+    a = np.asarray(alphas, dtype=float)[:, None]
+    terms = ks[None, :] + a * (1.0 - (-a) ** ks[None, :]) / (1.0 + a)
+    return nbar / (1.0 + a[:, 0]) * (terms @ counts.astype(float))
+
+
+def _solve_single_root(f, what: str, f_grid=None) -> float:
+    """The single root of f on [−1/2, 1): a grid scan for sign changes, then Brent's method in each bracket.
+    `f_grid(alphas)`: f at many α in one call (vectorised), else f is called at each grid point."""
     hi = ALPHA_HI - 1e-9
     grid = np.linspace(ALPHA_LO, hi, 3001)
-    vals = np.array([f(a) for a in grid])
+    vals = np.asarray(f_grid(grid), dtype=float) if f_grid is not None else np.array([f(a) for a in grid])
+    zero = vals[:-1] == 0.0
+    change = ~zero & (vals[:-1] * vals[1:] < 0)
     roots: list[float] = []
-    for a, b, fa, fb in zip(grid[:-1], grid[1:], vals[:-1], vals[1:]):
-        if fa == 0.0:
-            roots.append(float(a))
-        elif fa * fb < 0:
-            roots.append(float(brentq(f, a, b, xtol=1e-12)))
+    for i in np.nonzero(zero | change)[0]:
+        roots.append(float(grid[i]) if zero[i] else float(brentq(f, grid[i], grid[i + 1], xtol=1e-12)))
     if vals[-1] == 0.0:
         roots.append(float(grid[-1]))
     if len(roots) != 1:
@@ -145,7 +153,8 @@ def fit_alpha(F: float, K: float, R: float, nbar: float) -> float:
         raise ValueError(f"fit_alpha(F={F}, K={K}, R={R}, nbar={nbar}): no single root on [-1/2, 1) "
                          "(every response has one block, so no block was ever promoted)")
     return _solve_single_root(lambda a: expected_passes(nbar, a, K, R) - F,
-                              f"fit_alpha(F={F}, K={K}, R={R}, nbar={nbar})")
+                              f"fit_alpha(F={F}, K={K}, R={R}, nbar={nbar})",
+                              f_grid=lambda g: expected_passes(nbar, g, K, R) - F)
 
 
 def fit_alpha_exact(F: float, blocks_per_response: Sequence[int], nbar: float) -> float:
@@ -154,7 +163,8 @@ def fit_alpha_exact(F: float, blocks_per_response: Sequence[int], nbar: float) -
     if Ki.size == 0 or np.any(Ki < 1):
         raise ValueError("fit_alpha_exact: blocks_per_response must be a non-empty list of counts >= 1")
     return _solve_single_root(lambda a: expected_passes_exact(nbar, a, Ki) - F,
-                              f"fit_alpha_exact(F={F}, R={Ki.size}, nbar={nbar})")
+                              f"fit_alpha_exact(F={F}, R={Ki.size}, nbar={nbar})",
+                              f_grid=lambda g: _exact_on_grid(nbar, g, Ki) - F)
 
 
 def fit_alpha_counters(F: float, K: float, R: float, nbar: float,
