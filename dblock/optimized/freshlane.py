@@ -189,6 +189,57 @@ def grouped_swiglu_torch(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.T
     return out_FH.to(x_FH.dtype)
 
 
+def geglu(x_XH: torch.Tensor, w_gate_up_JH, w_down_HI) -> torch.Tensor:
+    """One DiffusionGemma expert (J = 2I, fused [gate ; up]): down(gelu_tanh(gate x) · up x) -> (X, H), the
+    reference's `Experts.expert` op for op."""
+    gate, up = F_.linear(x_XH, w_gate_up_JH).chunk(2, dim=-1)
+    return F_.linear(F_.gelu(gate, approximate="tanh") * up, w_down_HI)
+
+
+def grouped_geglu_torch(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.Tensor, w_gate_up_EJH, w_down_EHI,
+                        chunk_bytes: int = CHUNK_BYTES, grouped_mm: bool = True) -> torch.Tensor:
+    """DiffusionGemma's routed experts over a whole worklist: Σ_k w[f,k] · down_e(gelu_tanh(gate_e x_f) · up_e x_f),
+    e = ids[f,k], with the fused (E, 2I, H) gate_up weights as stored; slots with id -1 contribute nothing.
+
+    The same grouping as `grouped_swiglu_torch` (one sort for the worklist, chunks of consecutive experts): per
+    chunk two grouped GEMMs (gate_up, down) where this torch has `grouped_mm` for the dtype and `grouped_mm` is on,
+    else the reference's per-expert `linear` calls (`geglu`). Rows accumulate their experts in ascending expert order
+    in x's dtype, as the reference `Experts.forward` does. Returns x's dtype."""
+    F, H = x_FH.shape
+    out_FH = torch.zeros((F, H), dtype=x_FH.dtype, device=x_FH.device)
+    if F == 0:
+        return out_FH
+    E, I, K = w_gate_up_EJH.shape[0], w_down_EHI.shape[2], ids_FK.shape[1]
+    key = ids_FK.reshape(-1) + 1                               # -1 (no expert) -> 0: sorts first, cut off below
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=E + 1).tolist()
+    order = order[counts[0]:]
+    counts = counts[1:]
+    row_P, w_P = order // K, w_FK.reshape(-1)[order]
+    gmm = grouped_mm and _grouped_mm_ok(x_FH, w_gate_up_EJH, w_down_EHI)
+    for e0, e1, p0, p1 in expert_chunks(counts, chunk_pairs(H, I, x_FH.element_size(), chunk_bytes)):
+        rows_X = row_P[p0:p1]
+        x_XH = x_FH.index_select(0, rows_X)                               # the chunk's rows in expert order
+        if gmm and e1 - e0 > 1:
+            offs, t = [], 0
+            for n in counts[e0:e1]:
+                t += n
+                offs.append(t)
+            offs = torch.tensor(offs, dtype=torch.int32, device=x_FH.device)
+            gate, up = GROUPED_MM(x_XH, w_gate_up_EJH[e0:e1].transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            y_XH = GROUPED_MM(F_.gelu(gate, approximate="tanh") * up, w_down_EHI[e0:e1].transpose(1, 2), offs=offs)
+        else:
+            y_XH = x_XH.new_empty(p1 - p0, H)
+            a = 0
+            for e in range(e0, e1):
+                n = counts[e]
+                if n:
+                    y_XH[a:a + n] = geglu(x_XH[a:a + n], w_gate_up_EJH[e], w_down_EHI[e])
+                    a += n
+        out_FH.index_add_(0, rows_X, (y_XH * w_P[p0:p1, None]).to(out_FH.dtype))
+    return out_FH
+
+
 def moe_buffer_bytes(F: int, P: int, H: int, I: int, elem: int, acc_elem: int = 4,
                      chunk_bytes: int = CHUNK_BYTES) -> int:
     """Peak bytes of the MoE region's row buffers (`grouped_swiglu_torch`) for F rows and P (row, expert) pairs:
