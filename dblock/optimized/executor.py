@@ -348,10 +348,15 @@ def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, 
     return epoch_class(model)(model, cfg, dispatcher=dispatcher)
 
 
+#: family -> its Epoch executor class. The DiffusionGemma executor subclasses `EpochExecutor` in its own module
+#: (`dblock.optimized.gemma_epoch`), which adds itself here; the package's `__init__` imports it, so the table is
+#: complete whenever this module is importable.
+EPOCH_CLASSES: dict = {"llada2_moe": EpochExecutor, "llada_moe": EpochExecutor}
+
+
 def epoch_class(model) -> type:
-    """The Epoch executor class of `model`'s family: `EpochExecutor` (LLaDA families) or
-    `dblock.optimized.gemma_epoch.GemmaEpochExecutor` (diffusion_gemma)."""
-    if model.config.family == "diffusion_gemma":
-        from dblock.optimized.gemma_epoch import GemmaEpochExecutor
-        return GemmaEpochExecutor
-    return EpochExecutor
+    """The Epoch executor class of `model`'s family (`EPOCH_CLASSES`)."""
+    fam = model.config.family
+    if fam not in EPOCH_CLASSES:
+        raise ValueError(f"the epoch executor has no class for family {fam!r} (it runs {', '.join(EPOCH_CLASSES)})")
+    return EPOCH_CLASSES[fam]

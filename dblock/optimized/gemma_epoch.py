@@ -46,7 +46,7 @@ from dataclasses import replace
 import torch
 
 from dblock.forward import Forward, StepInput
-from dblock.optimized.executor import EpochExecutor
+from dblock.optimized.executor import EPOCH_CLASSES, EpochExecutor
 from dblock.optimized.freshlane import CommStats
 from dblock.optimized.plan import EpochConfig
 from dblock.optimized.rows import LayerCall
@@ -243,3 +243,6 @@ class GemmaEpochExecutor(EpochExecutor):
             plan.passes += 1
         self._end_pass(R, t0, c0, moe_s, moe_cpu_s)
         return out
+
+
+EPOCH_CLASSES["diffusion_gemma"] = GemmaEpochExecutor
