@@ -13,7 +13,8 @@ One denoising call (the decoder over every in-flight canvas of every request, on
     FreshLane's grouped experts for the whole batch (`GemmaStages.experts`: one sort of the (row, expert) pairs and
     one grouped GEMM per projection per layer), fed pre_feedforward_layernorm_2(h);
   * the LM head (final norm, tied head, soft-cap) for the live rows of each segment.
-Prefill and append passes (the causal encoder, which writes the K/V cache) run the reference executor.
+Prefill and append passes (the causal encoder, which writes the K/V cache) run through the same stages with every
+expert eligible (`append`).
 
 LSP is off for this family (docs/algorithms.md §4): uniform-state decoding re-noises every position a pass does not
 accept and reports no decoded row before commit (`Segment.decoded` is all False), so there is no stable row whose
@@ -185,6 +186,45 @@ class GemmaEpochExecutor(EpochExecutor):
             soft.view(-1, soft.shape[-1]).index_copy_(0, torch.cat(rows).to(self.device), sc.to(soft.dtype))
         return soft
 
+    def _layer_out(self, layer, h, m1, y, scalar):
+        """h + post_ff_norm(post_ff_norm_1(MLP) + post_ff_norm_2(MoE)), times the stack's layer scalar."""
+        st = self.stages
+        return (h + st.norm(layer.post_feedforward_layernorm, m1 + st.norm(layer.post_feedforward_layernorm_2, y))) \
+            * scalar
+
+    # ---- prefill and append: the causal encoder --------------------------------------------------------------
+    @torch.no_grad()
+    def append(self, items: list[StepInput]) -> None:
+        """The encoder over the committed rows (prompt prefill, one append per committed block), writing each
+        layer's K/V into the request's cache as the reference does (`GemmaReference.append`), through the same
+        stages as the decoder: every row through the MoE with every expert eligible (the plain rule: committed
+        tokens' K/V must be the model's own), grouped experts for the whole batch, fused attention."""
+        ref, m, cfg, st = self.reference, self.model, self.config, self.stages
+        ref._check_prompts(items)
+        batch = build_batch(items, self.device, encoder=True)
+        past, masks = ref._masks_and_past(items, batch)
+        x = m.embed(batch.tokens)                                                         # (B, L, H)
+        rope = st.rope_tables(m, batch.positions, x.dtype)
+        new_kv = []
+        for li, layer in enumerate(m.layers):
+            pk, pv = past[li]
+            t = cfg.layer_types[li]
+            a, k, v = st.attend(layer.self_attn, st.norm(layer.input_layernorm, x), *rope[t], masks[t], pk, pv)
+            new_kv.append((k, v))
+            h = x + st.norm(layer.post_attention_layernorm, a)
+            m1 = st.norm(layer.post_feedforward_layernorm_1, layer.mlp(st.norm(layer.pre_feedforward_layernorm, h)))
+            moe = self.moes[li]
+            h_TH = h.reshape(-1, h.shape[-1])
+            ids, w = self._route_rows(moe, moe.router_logits(h_TH), None)
+            y = st.experts(moe.expert_input(h_TH), ids, w, moe.w_gate_up, moe.w_down).view(h.shape)
+            x = self._layer_out(layer, h, m1, y, layer.enc_layer_scalar)
+        for b, it in enumerate(items):
+            n = batch.lens[b]
+            pos = batch.positions[b, :n]
+            for li, (k, v) in enumerate(new_kv):
+                it.cache.append(li, k[b, :, :n], v[b, :, :n], pos)
+            it.cache.length += n
+
     def _heads(self, items: list[StepInput], x_BLH: torch.Tensor) -> list[list[torch.Tensor]]:
         """Per segment the logits of its `_head_rows` (its live rows): one LM head call for the live rows of the
         whole call (`GemmaStages.lm_head_rows`), handed to each segment through `_segment_logits`."""
@@ -229,15 +269,14 @@ class GemmaEpochExecutor(EpochExecutor):
         for li, layer in enumerate(m.layers):
             t = cfg.layer_types[li]
             pk, pv = past[li]
-            a = st.attend(layer.self_attn, st.norm(layer.input_layernorm, x), *rope[t], masks[t], pk, pv)
+            a = st.attend(layer.self_attn, st.norm(layer.input_layernorm, x), *rope[t], masks[t], pk, pv)[0]
             h = x + st.norm(layer.post_attention_layernorm, a)
             m1 = st.norm(layer.post_feedforward_layernorm_1, layer.mlp(st.norm(layer.pre_feedforward_layernorm, h)))
             tm, tc = time.perf_counter(), time.thread_time()
             y = self._moe(li, self.moes[li], h, R)                                        # routed experts (B, L, H)
             moe_s += time.perf_counter() - tm
             moe_cpu_s += time.thread_time() - tc
-            m2 = st.norm(layer.post_feedforward_layernorm_2, y)
-            x = (h + st.norm(layer.post_feedforward_layernorm, m1 + m2)) * layer.layer_scalar
+            x = self._layer_out(layer, h, m1, y, layer.layer_scalar)
         out = self._heads(items, x)
         for plan in R.plans:
             plan.passes += 1

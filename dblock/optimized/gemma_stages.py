@@ -61,7 +61,8 @@ class GemmaStages(TorchStages):
 
     def attend(self, attn, x_BLH, cos, sin, mask_BLS, past_k, past_v):
         """The reference `Attention` (sliding: own v_proj; full: V = the raw K projection) with fused norms and one
-        fused attention call over [cache ; canvas] -> (B, L, H)."""
+        fused attention call over [cache ; new rows] -> the output (B, L, H) and the new rows' k, v (B, G, L, D)
+        (the encoder caches them, the decoder not)."""
         B, L, _ = x_BLH.shape
         N, G, D = attn.n_head, attn.n_kv, attn.head_dim
         q = self.norm(attn.q_norm, attn.q_proj(x_BLH).view(B, L, N, D))
@@ -74,7 +75,7 @@ class GemmaStages(TorchStages):
         vals = v if past_v is None else torch.cat([past_v, v], dim=2)
         y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask_BLS[:, None], scale=1.0,
                                            enable_gqa=N != G)
-        return attn.o_proj(y.transpose(1, 2).reshape(B, L, N * D))
+        return attn.o_proj(y.transpose(1, 2).reshape(B, L, N * D)), k, v
 
     @staticmethod
     def rope_tables(model, positions_BL: torch.Tensor, dtype) -> dict:
