@@ -25,6 +25,7 @@ and epoch: TPF (generated tokens per denoising pass, docs/counters.md), TPS on t
     .venv/bin/python benchmarks/gemma_cpu.py                                  # tiny-uniform, 5 repeats
     .venv/bin/python benchmarks/gemma_cpu.py --model code-uniform --max-new-tokens 64
     .venv/bin/python benchmarks/gemma_cpu.py --repeats 1 --batches 1,8        # a smoke run
+    .venv/bin/python benchmarks/gemma_cpu.py --random-size code              # code-uniform's shapes, random
     .venv/bin/python benchmarks/gemma_cpu.py --json gemma_cpu.json --markdown
 
 Ratios are taken within one run on one machine. Never used by tests.
@@ -66,7 +67,33 @@ def workload(model_name: str, model, n: int, task_name=None):
     return [tok.encode(e.prompt) for e in exs], exs, task, tok
 
 
+def random_model(size: str, vocab: int, canvas: int, folder: str):
+    """A random DiffusionGemma of `dblock.tasks.train_uniform.GEMMA_SIZES[size]` (the shapes a bundled model is
+    trained at: `code` for code-uniform) saved where transformers can load it -> the loaded dblock model. Its near
+    uniform logits keep the entropy-bound rule busy for many passes a block: a compute-heavy stand-in while the
+    trained model is not there."""
+    from dblock.reference.gemma_tiny import make_tiny_gemma
+    from dblock.tasks.train_uniform import GEMMA_SIZES
+    from dblock.tiny import save_for_transformers
+    if size not in GEMMA_SIZES:
+        raise SystemExit(f"gemma_cpu.py: error: --random-size {size!r}: allowed {', '.join(GEMMA_SIZES)}")
+    m = make_tiny_gemma(seed=0, **GEMMA_SIZES[size], vocab_size=vocab, canvas_length=canvas, image_token_id=None,
+                        boi_token_id=None, eoi_token_id=None)
+    save_for_transformers(m, folder, overwrite=True)
+    return dblock.load(folder)
+
+
+def random_workload(model, n: int, seed: int = 0):
+    """n random prompts of 8-23 ids (no special ids), no grading."""
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    return [torch.randint(3, V, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
 def grade(task, tok, exs, tokens) -> int:
+    if task is None:
+        return 0
     from dblock.tasks import answer_text
     code = getattr(task, "style", None) == "code"
     return sum(bool(task.grade(e.prompt, answer_text(t, tok), example=e) if code else
@@ -81,8 +108,9 @@ def hf_generate(hf, prompts, dec: DecodeConfig, pad: int):
     ids = torch.tensor([[pad] * (L - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
     t_max, t_min = dec.temperature
-    calls = []
+    calls, enc = [], []
     h = hf.model.decoder.register_forward_hook(lambda *a: calls.append(1))
+    he = hf.model.encoder.register_forward_hook(lambda *a: enc.append(1))
     try:
         torch.manual_seed(dec.seed)
         with torch.no_grad():
@@ -93,26 +121,28 @@ def hf_generate(hf, prompts, dec: DecodeConfig, pad: int):
                               confidence_threshold=float(dec.confidence), pad_token_id=pad)
     finally:
         h.remove()
-    return [out.sequences[i, L:].tolist() for i in range(len(prompts))], len(calls)
+        he.remove()
+    return [out.sequences[i, L:].tolist() for i in range(len(prompts))], len(calls), len(enc)
 
 
 def run_one(config, model, hf, prompts, dec, atlas_B, schedule="native") -> dict:
     """One decode of the batch with one configuration: clocks, tokens, passes."""
     t0, c0 = time.perf_counter(), time.thread_time()
     if config == "transformers":
-        gen, passes = hf_generate(hf, prompts, dec, model.config.pad_token_id)
+        gen, passes, enc = hf_generate(hf, prompts, dec, model.config.pad_token_id)
         cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
         eos = model.config.eos_token_id
         toks = [g[:g.index(eos) + 1] if eos in g else g for g in gen]
         return {"cpu_s": cpu, "wall_s": wall, "generated": gen, "tokens": toks, "F": passes,
-                "Y": sum(len(t) for t in toks)}
+                "Y": sum(len(t) for t in toks), "calls": passes, "append_calls": enc}
     fwd = {"reference": lambda: reference_forward(model),
            "full_compute": lambda: epoch_forward(model, "full_compute"),
            "epoch": lambda: epoch_forward(model, "epoch", atlas_B=atlas_B)}[config]()
     res = generate(fwd, prompts, dec, schedule)
     cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
     out = {"cpu_s": cpu, "wall_s": wall, "generated": [r.generated for r in res.runs], "tokens": res.tokens,
-           "F": sum(c.F for c in res.counters), "Y": sum(c.Y for c in res.counters)}
+           "F": sum(c.F for c in res.counters), "Y": sum(c.Y for c in res.counters),
+           "calls": res.times.den_calls, "append_calls": res.times.app_calls}
     if config == "epoch":
         hot = fwd.stats()["atlas_hot"]
         out["atlas"] = {"rows_within_support": hot.get("rows", 0), "opened": hot.get("under", 0),
@@ -133,9 +163,9 @@ def run_batch(B, model, hf, prompts, exs, task, tok, dec, args) -> dict:
         first = runs[c][0]
         row[c] = {"cpu_s": statistics.median(x["cpu_s"] for x in runs[c]),
                   "wall_s": statistics.median(x["wall_s"] for x in runs[c]),
-                  "F": first["F"], "Y": first["Y"],
+                  "F": first["F"], "Y": first["Y"], "calls": first["calls"], "append_calls": first["append_calls"],
                   "identical_to_reference": sum(a == b for a, b in zip(first["generated"], ref["generated"])),
-                  "accuracy": grade(task, tok, ex, first["tokens"]) / B,
+                  "accuracy": grade(task, tok, ex, first["tokens"]) / B if task is not None else None,
                   "stable_over_repeats": all(x["generated"] == first["generated"] for x in runs[c])}
         if "atlas" in first:
             row[c]["atlas"] = first["atlas"]
@@ -157,7 +187,8 @@ def run_oba(model, prompts, exs, task, tok, dec, args) -> list:
             r0 = rs[0]
             out.append({"schedule": sched, "config": c, "batch": B, "TPF": r0["Y"] / max(1, r0["F"]),
                         "TPS": r0["Y"] / cpu, "cpu_s": cpu, "F": r0["F"], "Y": r0["Y"],
-                        "accuracy": grade(task, tok, ex, r0["tokens"]) / B, "tokens": r0["generated"]})
+                        "accuracy": grade(task, tok, ex, r0["tokens"]) / B if task is not None else None,
+                        "tokens": r0["generated"]})
     ref = {o["schedule"]: o["tokens"] for o in out if o["config"] == "reference"}
     for o in out:
         o["identical_to_reference"] = sum(a == b for a, b in zip(o.pop("tokens"), ref[o["schedule"]]))
@@ -176,27 +207,33 @@ def verify_numbers(model, prompts, dec, args) -> dict:
     return out
 
 
+def _acc(a) -> str:
+    return "-" if a is None else f"{a:.3f}"
+
+
 def markdown(meta, rows, oba, ver) -> str:
     L = [f"Command: `{meta['command']}` ({meta['minutes']:.1f} min). Machine: {meta['machine']}. Model "
          f"`{meta['model']}`, task `{meta['task']}`, entropy-bound decoder, {meta['max_new_tokens']} new tokens, seed "
          f"{meta['seed']}, {meta['repeats']} interleaved repeats (medians), Atlas B = {meta['atlas_B']}.", "",
-         "| batch | config | thread-CPU s | × transformers (CPU) | × transformers (wall) | passes | identical to "
-         "reference | accuracy |", "|---|---|---|---|---|---|---|---|"]
+         "| batch | config | thread-CPU s | × transformers (CPU) | × transformers (wall) | denoising calls | "
+         "ms per call | identical to reference | accuracy |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for c in CONFIGS:
             x = r[c]
             sp = x.get("speed_vs_transformers")
             ws = x.get("wall_speed_vs_transformers")
             L.append(f"| {r['batch']} | {c} | {x['cpu_s']:.3f} | {'-' if sp is None else f'{sp:.2f}'} | "
-                     f"{'-' if ws is None else f'{ws:.2f}'} | {x['F']} | {x['identical_to_reference']}/{r['requests']} | "
-                     f"{x['accuracy']:.3f} |")
+                     f"{'-' if ws is None else f'{ws:.2f}'} | {x['calls']} | "
+                     f"{1e3 * x['cpu_s'] / max(1, x['calls'] + x['append_calls']):.1f} | "
+                     f"{x['identical_to_reference']}/{r['requests']} | "
+                     f"{_acc(x['accuracy'])} |")
     if oba:
         L += ["", f"One Block Ahead on the optimized executor (batch {oba[0]['batch']}):", "",
               "| schedule | config | TPF | TPS (thread) | passes | identical to reference | accuracy |",
               "|---|---|---|---|---|---|---|"]
         for o in oba:
             L.append(f"| {o['schedule']} | {o['config']} | {o['TPF']:.2f} | {o['TPS']:.0f} | {o['F']} | "
-                     f"{o['identical_to_reference']}/{o['batch']} | {o['accuracy']:.3f} |")
+                     f"{o['identical_to_reference']}/{o['batch']} | {_acc(o['accuracy'])} |")
     if ver:
         L += ["", "`dblock verify` (teacher-forced shadow against the reference): " + "; ".join(
             f"{c}: decision agreement {100 * v['agreement']:.2f}% over {v['decisions']} decisions "
@@ -209,6 +246,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-uniform", help="a bundled DiffusionGemma name or model folder")
     ap.add_argument("--task", default=None, help="the prompts' task (default: the model card's)")
+    ap.add_argument("--random-size", default=None, metavar="SIZE",
+                    help="instead of --model: a random DiffusionGemma of this training size (train_uniform.GEMMA_SIZES, "
+                         "e.g. code: code-uniform's shapes) with random prompts, saved to --random-dir; no accuracy")
+    ap.add_argument("--random-vocab", type=int, default=2048, help="vocabulary of --random-size (code: 2048)")
+    ap.add_argument("--random-canvas", type=int, default=32, help="canvas length of --random-size")
+    ap.add_argument("--random-dir", default="/tmp/dblock-gemma-random", help="where --random-size is saved")
     ap.add_argument("--batches", default="1,8,32", help="batch sizes (default 1,8,32)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per batch size (medians)")
     ap.add_argument("--oba-repeats", type=int, default=1, help="repeats of each OBA row (thread clock median)")
@@ -230,14 +273,23 @@ def main():
         raise SystemExit(f"gemma_cpu.py: error: {e}") from None
     torch.set_num_threads(1)
     t_start = time.perf_counter()
-    model = dblock.load(args.model)
+    if args.random_size:
+        model = random_model(args.random_size, args.random_vocab, args.random_canvas, args.random_dir)
+        args.model = f"random {args.random_size}-size DiffusionGemma (vocab {args.random_vocab}, canvas " \
+                     f"{args.random_canvas})"
+    else:
+        model = dblock.load(args.model)
     if model.config.family != "diffusion_gemma":
         raise SystemExit(f"gemma_cpu.py: error: {args.model} is {model.config.family}, not diffusion_gemma")
     from transformers import DiffusionGemmaForBlockDiffusion
     hf = DiffusionGemmaForBlockDiffusion.from_pretrained(model.source).eval()
     if args.atlas_B is None:
         args.atlas_B = max(model.config.num_experts_per_tok, model.config.num_experts // 2)
-    prompts, exs, task, tok = workload(args.model, model, max(args.batches), args.task)
+    if args.random_size:
+        prompts, exs, task, tok = random_workload(model, max(args.batches), args.seed), [None] * max(args.batches), \
+            None, None
+    else:
+        prompts, exs, task, tok = workload(args.model, model, max(args.batches), args.task)
     dec = DecodeConfig(rule="entropy-bound", seed=args.seed, max_new_tokens=args.max_new_tokens).validate()
     machine = (f"`{platform.platform()}`, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
                f"{__import__('transformers').__version__}, one torch thread")
@@ -251,14 +303,15 @@ def main():
         rows.append(row)
         print(f"batch {B}: " + "  ".join(f"{c} {row[c]['cpu_s']:.3f}s" + (
             f" ({row[c]['speed_vs_transformers']:.2f}x)" if c != "transformers" else "") for c in CONFIGS) +
-            f"  identical full_compute {row['full_compute']['identical_to_reference']}/{B}", flush=True)
+            f"  identical full_compute {row['full_compute']['identical_to_reference']}/{B}  denoising calls "
+            f"{row['full_compute']['calls']} vs transformers {row['transformers']['calls']}", flush=True)
     oba = [] if args.no_oba else run_oba(model, prompts, exs, task, tok, dec, args)
     for o in oba:
-        print(f"{o['schedule']:6s} {o['config']:12s} TPF {o['TPF']:.2f} TPS {o['TPS']:.0f} acc {o['accuracy']:.3f}")
+        print(f"{o['schedule']:6s} {o['config']:12s} TPF {o['TPF']:.2f} TPS {o['TPS']:.0f} acc {_acc(o['accuracy'])}")
     ver = verify_numbers(model, prompts, dec, args) if args.verify_n else {}
     for c, v in ver.items():
         print(f"verify {c}: agreement {v['agreement']:.4f} over {v['decisions']} decisions, exit {v['exit']}")
-    meta = {"machine": machine, "model": args.model, "task": getattr(task, "name", str(task)),
+    meta = {"machine": machine, "model": args.model, "task": getattr(task, "name", "random prompts"),
             "max_new_tokens": args.max_new_tokens, "seed": args.seed, "repeats": args.repeats,
             "atlas_B": args.atlas_B, "minutes": (time.perf_counter() - t_start) / 60,
             "command": ".venv/bin/python benchmarks/gemma_cpu.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}

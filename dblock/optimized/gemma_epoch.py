@@ -53,7 +53,7 @@ from dblock.optimized.plan import EpochConfig
 from dblock.optimized.rows import LayerCall
 from dblock.optimized.gemma_stages import GemmaStages
 from dblock.reference.gemma_config import SLIDING
-from dblock.reference.gemma_executor import GemmaReference, build_batch, layer_mask, stack_past
+from dblock.reference.gemma_executor import GemmaBatch, GemmaReference, build_batch, layer_mask, stack_past
 
 
 class GemmaMoe:
@@ -169,6 +169,20 @@ class GemmaEpochExecutor(EpochExecutor):
                 masks[t] = layer_mask(batch, kpos, kvalid, t == SLIDING, cfg.sliding_window)
         return [(k, v) for k, v, _, _ in self._past], masks
 
+    def _decoder_batch(self, items: list[StepInput]):
+        """`gemma_executor.build_batch(items, encoder=False)`; the common call (every request one segment, all of
+        one length: a Native batch) in a few stacked tensor ops instead of a loop over requests."""
+        segs = [it.segments[0] for it in items]
+        n = len(segs[0])
+        if any(len(it.segments) != 1 or len(it.segments[0]) != n or not bool(it.visibility[0, 0]) for it in items) \
+                or n == 0:
+            return build_batch(items, self.device, encoder=False)
+        dev = self.device
+        positions = torch.stack([s.positions for s in segs]).to(dev, torch.long)
+        return GemmaBatch(torch.stack([s.tokens for s in segs]).to(dev), positions,
+                          positions.amin(1, keepdim=True).expand(-1, n).contiguous(),
+                          torch.ones(len(items), n, n, dtype=torch.bool, device=dev), [n] * len(items))
+
     def _soft(self, items: list[StepInput], e_BLH: torch.Tensor) -> torch.Tensor:
         """(B, L, H) self-conditioning soft embeddings: every segment's previous-step logits in one call (zeros for
         a block's first step and where self-conditioning is off)."""
@@ -254,7 +268,7 @@ class GemmaEpochExecutor(EpochExecutor):
     def denoise(self, items: list[StepInput]) -> list[list[torch.Tensor]]:
         t0, c0 = time.perf_counter(), time.thread_time()
         m, cfg = self.model, self.config
-        batch = build_batch(items, self.device, encoder=False)
+        batch = self._decoder_batch(items)
         past, masks = self._past_and_masks(items, batch)
         B, L = batch.tokens.shape
         R = self._plan_rows(items, L, cfg.hidden_size, self.embed_weight.dtype)

@@ -14,6 +14,7 @@ import dblock.optimized.freshlane as fl
 from dblock.optimized.freshlane import grouped_geglu_torch
 from dblock.optimized.gemma_epoch import GemmaEpochExecutor
 from dblock.reference.gemma import Experts
+from dblock.reference.gemma_executor import build_batch
 from tests.conftest import logits_tol, tol
 from tests.reference.gemma_util import canvas_segment, fixed_segment
 
@@ -72,6 +73,11 @@ def test_full_compute_logits_within_fp32_tolerance_of_the_reference(m32):
                              for r, p in enumerate(ps)])
     for a, b in zip(outs[ref], outs[opt]):
         torch.testing.assert_close(b[0], a[0], **logits_tol(torch.float32, a[0]))
+    items = [StepInput(r, [canvas_segment(xs[r], len(p), 0)], block_causal(1), caches[opt][r])
+             for r, p in enumerate(ps)]
+    fast, slow = opt._decoder_batch(items), build_batch(items, opt.device, encoder=False)
+    for k in ("tokens", "positions", "anchor", "new_vis", "lens"):       # the one-segment fast path
+        assert torch.equal(torch.as_tensor(getattr(fast, k)), torch.as_tensor(getattr(slow, k))), k
 
 
 def test_grouped_geglu_matches_the_reference_experts():
