@@ -4,7 +4,7 @@ LLaDA executor's planning, MoE steps and statistics (`dblock.optimized.executor.
 
 One denoising call (the decoder over every in-flight canvas of every request, one batch):
   * the batch layout, per-layer-type masks and self-conditioning as the reference (`gemma_executor.GemmaReference`),
-    the stacked committed caches kept between calls while no request appended (`_past_and_masks`), the
+    the stacked committed caches, masks and RoPE tables kept between calls while nothing changed (`_layout`), the
     self-conditioning soft embeddings of all segments in one call (`_soft`);
   * per layer: attention through the stage seam (`GemmaStages.attend`: one fused attention call over
     [cache ; canvas]), the dense MLP branch on every row, and the MoE branch through the Epoch steps (`_moe`): router
@@ -100,6 +100,7 @@ class GemmaEpochExecutor(EpochExecutor):
         self.moes = [GemmaMoe(layer) for layer in model.layers]
         self._past_key: list = []                # [(cache, length)] the stacked past below was made for
         self._past: list = []                    # per layer (k, v, key positions, key valid)
+        self._lay = None                         # (positions, masks, rope, batch) of the last one-segment call
 
     def _make_reference(self, model) -> Forward:
         return GemmaReference(model)
@@ -137,6 +138,9 @@ class GemmaEpochExecutor(EpochExecutor):
         ids, p = super()._route_rows(moe, logits_XE, allowed_XE)
         return ids, moe.weights(ids, p)
 
+    def _write_cache(self, c: LayerCall) -> None:
+        """Nothing to write: without LSP no entry is ever served (and the rule reports no decoded row)."""
+
     def _run_experts(self, c: LayerCall) -> None:
         """FreshLane over the call's rows: the experts' input is pre_feedforward_layernorm_2 of the residual rows
         the router saw; one grouped GEMM per projection for the whole batch (`GemmaStages.experts`)."""
@@ -152,36 +156,50 @@ class GemmaEpochExecutor(EpochExecutor):
         c.y_FH, c.comm = self.dispatcher.run(x_FH, c.ids_FK, c.w_FK, experts, **extra)
 
     # ---- the denoising call -------------------------------------------------------------------------------
-    def _past_and_masks(self, items: list[StepInput], batch):
-        """Per layer the committed caches stacked for the batch (kept while the same caches at the same lengths come
-        back: no append happened) and per layer type the mask over [cache ; canvas] (`gemma_executor.layer_mask`)."""
+    def _stack_past(self, items: list[StepInput]) -> bool:
+        """Per layer the committed caches stacked for the batch (k, v, key positions, key valid), kept while the same
+        caches at the same lengths come back (no append happened). -> whether they were kept."""
         key = [(it.cache, it.cache.length) for it in items]
-        same = len(key) == len(self._past_key) and all(a is c and n == m for (a, n), (c, m) in
-                                                           zip(key, self._past_key))
-        if not same:
-            ref = self.embed_weight
-            self._past = [stack_past(items, i, ref) for i in range(self.config.num_hidden_layers)]
-            self._past_key = key
+        if len(key) == len(self._past_key) and all(a is c and n == m for (a, n), (c, m) in zip(key, self._past_key)):
+            return True
+        ref = self.embed_weight
+        self._past = [stack_past(items, i, ref) for i in range(self.config.num_hidden_layers)]
+        self._past_key = key
+        return False
+
+    def _layout(self, items: list[StepInput]):
+        """The decoder call's batch (`gemma_executor.build_batch(items, encoder=False)`), the stacked caches, per
+        layer type the mask over [cache ; canvas] (`gemma_executor.layer_mask`) and the RoPE tables. The common
+        call (every request one segment of one length, seeing itself: a Native batch) stacks its tokens and
+        positions in two ops, and keeps masks and RoPE tables from the previous call when the caches and the
+        positions are the same (the passes of one block) -> (batch, past, masks, rope)."""
+        kept = self._stack_past(items)
+        segs = [it.segments[0] for it in items]
+        n = len(segs[0])
+        fast = n > 0 and all(len(it.segments) == 1 and len(it.segments[0]) == n and bool(it.visibility[0, 0])
+                             for it in items)
+        if not fast:
+            self._lay = None
+            batch = build_batch(items, self.device, encoder=False)
+        else:
+            dev = self.device
+            positions = torch.stack([s.positions for s in segs]).to(dev, torch.long)
+            tokens = torch.stack([s.tokens for s in segs]).to(dev)
+            lay = self._lay
+            if kept and lay is not None and lay[0].shape == positions.shape and torch.equal(lay[0], positions):
+                batch = GemmaBatch(tokens, positions, lay[3].anchor, lay[3].new_vis, lay[3].lens)
+                return batch, [(k, v) for k, v, _, _ in self._past], lay[1], lay[2]
+            batch = GemmaBatch(tokens, positions, positions.amin(1, keepdim=True).expand(-1, n).contiguous(),
+                               torch.ones(len(items), n, n, dtype=torch.bool, device=dev), [n] * len(items))
         cfg, masks = self.config, {}
         for i, t in enumerate(cfg.layer_types):
             if t not in masks:
                 _, _, kpos, kvalid = self._past[i]
                 masks[t] = layer_mask(batch, kpos, kvalid, t == SLIDING, cfg.sliding_window)
-        return [(k, v) for k, v, _, _ in self._past], masks
-
-    def _decoder_batch(self, items: list[StepInput]):
-        """`gemma_executor.build_batch(items, encoder=False)`; the common call (every request one segment, all of
-        one length: a Native batch) in a few stacked tensor ops instead of a loop over requests."""
-        segs = [it.segments[0] for it in items]
-        n = len(segs[0])
-        if any(len(it.segments) != 1 or len(it.segments[0]) != n or not bool(it.visibility[0, 0]) for it in items) \
-                or n == 0:
-            return build_batch(items, self.device, encoder=False)
-        dev = self.device
-        positions = torch.stack([s.positions for s in segs]).to(dev, torch.long)
-        return GemmaBatch(torch.stack([s.tokens for s in segs]).to(dev), positions,
-                          positions.amin(1, keepdim=True).expand(-1, n).contiguous(),
-                          torch.ones(len(items), n, n, dtype=torch.bool, device=dev), [n] * len(items))
+        rope = self.stages.rope_tables(self.model, batch.positions, self.embed_weight.dtype)
+        if fast:
+            self._lay = (batch.positions, masks, rope, batch)
+        return batch, [(k, v) for k, v, _, _ in self._past], masks, rope
 
     def _soft(self, items: list[StepInput], e_BLH: torch.Tensor) -> torch.Tensor:
         """(B, L, H) self-conditioning soft embeddings: every segment's previous-step logits in one call (zeros for
@@ -268,8 +286,7 @@ class GemmaEpochExecutor(EpochExecutor):
     def denoise(self, items: list[StepInput]) -> list[list[torch.Tensor]]:
         t0, c0 = time.perf_counter(), time.thread_time()
         m, cfg = self.model, self.config
-        batch = self._decoder_batch(items)
-        past, masks = self._past_and_masks(items, batch)
+        batch, past, masks, rope = self._layout(items)
         B, L = batch.tokens.shape
         R = self._plan_rows(items, L, cfg.hidden_size, self.embed_weight.dtype)
         R.path = self._pass_path(R)
@@ -279,7 +296,6 @@ class GemmaEpochExecutor(EpochExecutor):
         st = self.stages
         e = m.embed(batch.tokens)                                                         # (B, L, H)
         x = st.self_conditioning(m.self_conditioning, e, self._soft(items, e))
-        rope = st.rope_tables(m, batch.positions, x.dtype)
         for li, layer in enumerate(m.layers):
             t = cfg.layer_types[li]
             pk, pv = past[li]

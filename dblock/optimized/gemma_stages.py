@@ -8,7 +8,7 @@
   attend             q/k/v projections, their RMSNorms and RoPE, then one fused scaled-dot-product attention call
                      over [cache ; canvas] with the layer type's mask (scale 1.0: the norms set it)
   lm_head_rows       final norm, tied (or own) head and soft-cap for the live rows of the whole call at once
-  norm               every RMSNorm as one fused `torch.nn.functional.rms_norm` in fp32 (fp64 for fp64 models)
+  norm               every RMSNorm as one `torch.nn.functional.rms_norm` call in fp32 (fp64 for fp64 models)
                      instead of the reference's explicit ops (`gemma.RMSNorm`)
   self_conditioning  the decoder input x_in = post_norm(embed + MLP(pre_norm(soft))) with the fused norms
   compact / scatter  inherited
@@ -43,11 +43,11 @@ class GemmaStages(TorchStages):
 
     @staticmethod
     def norm(mod, x: torch.Tensor) -> torch.Tensor:
-        """`gemma.RMSNorm` `mod` applied to x with fewer ops (rsqrt and in-place updates instead of `pow(., -0.5)`):
-        computed in fp32 (fp64 for fp64 models), cast back."""
+        """`gemma.RMSNorm` `mod` applied to x as one `torch.nn.functional.rms_norm` call (x · rsqrt(mean(x²) + eps)
+        · w, decomposed in C++ rather than op by op from Python): computed in fp32 (fp64 for fp64 models), cast
+        back."""
         if x.dtype in (torch.float32, torch.float64):
-            y = x * x.pow(2).mean(-1, keepdim=True).add_(mod.eps).rsqrt_()
-            return y if mod.weight is None else y.mul_(mod.weight.to(x.dtype))
+            return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.eps)
         dt = torch.promote_types(x.dtype, torch.float32)
         w = None if mod.weight is None else mod.weight.to(dt)
         return F.rms_norm(x.to(dt), (x.shape[-1],), w, mod.eps).to(x.dtype)

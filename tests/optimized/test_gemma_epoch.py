@@ -14,7 +14,7 @@ import dblock.optimized.freshlane as fl
 from dblock.optimized.freshlane import grouped_geglu_torch
 from dblock.optimized.gemma_epoch import GemmaEpochExecutor
 from dblock.reference.gemma import Experts
-from dblock.reference.gemma_executor import build_batch
+from dblock.reference.gemma_executor import build_batch, layer_mask
 from tests.conftest import logits_tol, tol
 from tests.reference.gemma_util import canvas_segment, fixed_segment
 
@@ -75,9 +75,13 @@ def test_full_compute_logits_within_fp32_tolerance_of_the_reference(m32):
         torch.testing.assert_close(b[0], a[0], **logits_tol(torch.float32, a[0]))
     items = [StepInput(r, [canvas_segment(xs[r], len(p), 0)], block_causal(1), caches[opt][r])
              for r, p in enumerate(ps)]
-    fast, slow = opt._decoder_batch(items), build_batch(items, opt.device, encoder=False)
-    for k in ("tokens", "positions", "anchor", "new_vis", "lens"):       # the one-segment fast path
-        assert torch.equal(torch.as_tensor(getattr(fast, k)), torch.as_tensor(getattr(slow, k))), k
+    slow = build_batch(items, opt.device, encoder=False)
+    for _ in range(2):                          # the one-segment fast path, built and then kept from the last call
+        fast, _, masks, _ = opt._layout(items)
+        for k in ("tokens", "positions", "anchor", "new_vis", "lens"):
+            assert torch.equal(torch.as_tensor(getattr(fast, k)), torch.as_tensor(getattr(slow, k))), k
+    kpos, kvalid = opt._past[0][2:]
+    assert torch.equal(masks["sliding_attention"], layer_mask(slow, kpos, kvalid, True, m32.config.sliding_window))
 
 
 def test_grouped_geglu_matches_the_reference_experts():
