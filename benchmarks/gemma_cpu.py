@@ -23,7 +23,7 @@ Then One Block Ahead on the optimized executor: Native and OBA schedules at the 
 and epoch: TPF (generated tokens per denoising pass, docs/counters.md), TPS on the thread clock, accuracy.
 
     .venv/bin/python benchmarks/gemma_cpu.py                                  # tiny-uniform, 5 repeats
-    .venv/bin/python benchmarks/gemma_cpu.py --model code-uniform --max-new-tokens 64
+    .venv/bin/python benchmarks/gemma_cpu.py --model code-uniform                      # once it is trained
     .venv/bin/python benchmarks/gemma_cpu.py --repeats 1 --batches 1,8        # a smoke run
     .venv/bin/python benchmarks/gemma_cpu.py --random-size code              # code-uniform's shapes, random
     .venv/bin/python benchmarks/gemma_cpu.py --json gemma_cpu.json --markdown
@@ -255,7 +255,7 @@ def main():
     ap.add_argument("--batches", default="1,8,32", help="batch sizes (default 1,8,32)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per batch size (medians)")
     ap.add_argument("--oba-repeats", type=int, default=1, help="repeats of each OBA row (thread clock median)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="generation budget (default 128, the CLI's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--atlas-B", type=int, default=None, help="the epoch row's initial support (default E / 2)")
     ap.add_argument("--verify-n", type=int, default=16, help="requests of the verify rows (0: skip)")
