@@ -34,7 +34,7 @@ docs/algorithms.md §2.3; fp64: torch has no grouped GEMM for it, the per-expert
 The Triton stack (`EpochConfig.use_triton`) implements the LLaDA families' SwiGLU experts, sigmoid group-limited
 routing and attention without sliding windows; it is refused here with a clear error. Expert parallelism: the
 dispatcher contract is the LLaDA executor's (`freshlane.LocalDispatcher`, `ep_dispatch.EPDispatcher`): the experts'
-inputs are the normed rows (`_run_experts`, `_all_rows`).
+inputs are the normed rows (`_run_experts`); tokens and logits at two gloo ranks equal world size 1.
 
 Letter legend as dblock/optimized/executor.py: B requests, L padded rows, T valid rows, F fresh rows, E experts,
 K experts per row, H hidden, V vocabulary.

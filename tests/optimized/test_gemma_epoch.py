@@ -34,7 +34,7 @@ def prompts(n, seed=0):
 
 @pytest.mark.parametrize("schedule", ["native", "oba"])
 def test_full_compute_gives_reference_tokens_alone_and_in_a_batch(m32, schedule):
-    ps = prompts(4, seed=1)
+    ps = prompts(3, seed=1)
     ref = generate(m32, ps, DEC, schedule)
     fwd = epoch_forward(m32, "full_compute")
     assert type(fwd) is GemmaEpochExecutor
@@ -50,7 +50,7 @@ def test_full_compute_gives_reference_tokens_alone_and_in_a_batch(m32, schedule)
 
 def test_full_compute_fp64_tokens_identical_in_a_batch():
     m = dblock.load("tiny-uniform", dtype="float64")
-    ps = prompts(3, seed=4)
+    ps = prompts(2, seed=4)
     ref = [generate(m, [p], DEC).tokens[0] for p in ps]        # the reference alone
     assert generate(epoch_forward(m, "full_compute"), ps, DEC).tokens == ref
 
@@ -138,3 +138,14 @@ def test_family_classes_and_refusals(m32):
     f = epoch_forward(m32, "epoch")
     assert f._block_dense(16, 16)                      # B = min(E, 4K) = E: the Atlas is inert, dense path
     assert not epoch_forward(m32, "epoch", atlas_B=4)._block_dense(16, 16)
+
+
+@pytest.mark.slow
+def test_expert_parallel_gloo_gives_the_single_process_tokens():
+    """Two gloo ranks (FreshLane's all_to_all dispatch of the normed rows) against world size 1 on tiny-uniform."""
+    from dblock.equivalence import degenerate as dg
+    from dblock.weights_path import resolve_model_path
+    r = dg.check_world_sizes(resolve_model_path("tiny-uniform"), prompts(1, seed=5), DEC.replace(max_new_tokens=16),
+                             [2], epoch_config="full_compute", timeout_s=60.0)
+    assert r["ok"] is True, r
+    assert r["per_world_size"][2]["identical"] == 1 and r["per_world_size"][2]["max_abs_logits"] <= dg.WORLD_TOL
