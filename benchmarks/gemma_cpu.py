@@ -20,7 +20,9 @@ batched generate draws one random stream for the whole batch and cannot be repro
 tests/reference/test_gemma_generate.py). Quality: the task's grade of each output.
 
 Then One Block Ahead on the optimized executor: Native and OBA schedules at the largest batch, reference, full_compute
-and epoch: TPF (generated tokens per denoising pass, docs/counters.md), TPS on the thread clock, accuracy.
+and epoch: TPF (generated tokens per denoising pass, docs/counters.md), TPS on the thread clock, accuracy. Then
+`dblock verify`'s decision agreement (`--verify-n` requests) and an LSP probe: over consecutive passes of a block,
+how many rows keep their token and how far their routed-expert output moves anyway (docs/algorithms.md §4.6).
 
     .venv/bin/python benchmarks/gemma_cpu.py                                  # tiny-uniform, 5 repeats
     .venv/bin/python benchmarks/gemma_cpu.py --model code-uniform                      # once it is trained
@@ -195,6 +197,47 @@ def run_oba(model, prompts, exs, task, tok, dec, args) -> list:
     return out
 
 
+def lsp_probe(model, prompts, dec) -> dict:
+    """Could LSP serve any row of a uniform-state block? Decode with the reference, recording each current block's
+    canvas tokens and every layer's routed-expert output per pass; over consecutive passes of a block: the share of
+    rows whose token is unchanged (the only candidates), and for those rows the relative change
+    ‖y_t − y_{t−1}‖ / ‖y_t‖ of the routed output (what serving the previous pass's entry would be off by)."""
+    from dblock.reference.gemma_executor import GemmaReference
+
+    class Rec(GemmaReference):
+        def __init__(self, m):
+            super().__init__(m)
+            self.last, self.rows, self.same, self.rel = {}, 0, 0, []
+
+        def denoise(self, items, taps=None):
+            taps = {}
+            out = super().denoise(items, taps)
+            for b, it in enumerate(items):
+                s = it.segments[0]
+                if s.role != "current":
+                    continue
+                n = len(s)
+                y = torch.stack([t[b, :n] for t in taps["routed"]])              # (layers, n, H)
+                key = (it.request, s.block)
+                if key in self.last:
+                    tok0, y0 = self.last[key]
+                    same = s.tokens == tok0
+                    self.rows += n
+                    self.same += int(same.sum())
+                    if same.any():
+                        d = (y[:, same] - y0[:, same]).norm(dim=-1) / y[:, same].norm(dim=-1).clamp_min(1e-30)
+                        self.rel += d.flatten().tolist()
+                self.last[key] = (s.tokens.clone(), y)
+            return out
+
+    rec = Rec(model)
+    generate(rec, prompts, dec)
+    rel = sorted(rec.rel)
+    return {"pairs_of_passes_rows": rec.rows, "unchanged_token_share": rec.same / max(1, rec.rows),
+            "rel_change_median": rel[len(rel) // 2] if rel else None,
+            "rel_change_p10": rel[len(rel) // 10] if rel else None}
+
+
 def verify_numbers(model, prompts, dec, args) -> dict:
     """`dblock verify`'s decision agreement and invariants for full_compute and epoch on the first prompts."""
     from dblock.equivalence.verify import run_verify
@@ -211,7 +254,7 @@ def _acc(a) -> str:
     return "-" if a is None else f"{a:.3f}"
 
 
-def markdown(meta, rows, oba, ver) -> str:
+def markdown(meta, rows, oba, ver, probe=None) -> str:
     L = [f"Command: `{meta['command']}` ({meta['minutes']:.1f} min). Machine: {meta['machine']}. Model "
          f"`{meta['model']}`, task `{meta['task']}`, entropy-bound decoder, {meta['max_new_tokens']} new tokens, seed "
          f"{meta['seed']}, {meta['repeats']} interleaved repeats (medians), Atlas B = {meta['atlas_B']}.", "",
@@ -239,6 +282,11 @@ def markdown(meta, rows, oba, ver) -> str:
             f"{c}: decision agreement {100 * v['agreement']:.2f}% over {v['decisions']} decisions "
             f"({v['requests']} requests), max|Δlogits| {v['max_abs_logits']:.2g}, exit {v['exit']}"
             for c, v in ver.items()) + "."]
+    if probe and probe["rel_change_median"] is not None:
+        L += ["", f"LSP probe (reference, current blocks, consecutive passes): {100 * probe['unchanged_token_share']:.1f}% "
+              f"of {probe['pairs_of_passes_rows']} rows keep their token; for those the routed-expert output moves by "
+              f"a median {100 * probe['rel_change_median']:.1f}% (10th percentile "
+              f"{100 * probe['rel_change_p10']:.1f}%) of its norm between the passes."]
     return "\n".join(L) + "\n"
 
 
@@ -309,6 +357,8 @@ def main():
     for o in oba:
         print(f"{o['schedule']:6s} {o['config']:12s} TPF {o['TPF']:.2f} TPS {o['TPS']:.0f} acc {_acc(o['accuracy'])}")
     ver = verify_numbers(model, prompts, dec, args) if args.verify_n else {}
+    probe = lsp_probe(model, prompts[:max(args.batches)], dec)
+    print(f"LSP probe: {probe}")
     for c, v in ver.items():
         print(f"verify {c}: agreement {v['agreement']:.4f} over {v['decisions']} decisions, exit {v['exit']}")
     meta = {"machine": machine, "model": args.model, "task": getattr(task, "name", "random prompts"),
@@ -317,9 +367,9 @@ def main():
             "command": ".venv/bin/python benchmarks/gemma_cpu.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**meta, "rows": rows, "oba": oba, "verify": ver}, f, indent=1)
+            json.dump({**meta, "rows": rows, "oba": oba, "verify": ver, "lsp_probe": probe}, f, indent=1)
     if args.markdown:
-        print("\n" + markdown(meta, rows, oba, ver))
+        print("\n" + markdown(meta, rows, oba, ver, probe))
 
 
 if __name__ == "__main__":
