@@ -285,8 +285,8 @@ def markdown(meta, rows, oba, ver, probe=None) -> str:
     if probe and probe["rel_change_median"] is not None:
         L += ["", f"LSP probe (reference, current blocks, consecutive passes): {100 * probe['unchanged_token_share']:.1f}% "
               f"of {probe['pairs_of_passes_rows']} rows keep their token; for those the routed-expert output moves by "
-              f"a median {100 * probe['rel_change_median']:.1f}% (10th percentile "
-              f"{100 * probe['rel_change_p10']:.1f}%) of its norm between the passes."]
+              f"a median {100 * probe['rel_change_median']:.2g}% (10th percentile "
+              f"{100 * probe['rel_change_p10']:.2g}%) of its norm between the passes."]
     return "\n".join(L) + "\n"
 
 
