@@ -205,17 +205,17 @@ class GemmaEpochExecutor(EpochExecutor):
         """(B, L, H) self-conditioning soft embeddings: every segment's previous-step logits in one call (zeros for
         a block's first step and where self-conditioning is off)."""
         soft = torch.zeros_like(e_BLH)
-        rows, logits = [], []
+        rows, logits, L = [], [], e_BLH.shape[1]
         for b, it in enumerate(items):
             off = 0
             for s in it.segments:
                 if s.sc_enabled and s.sc_logits is not None:
-                    rows.append(torch.arange(b * e_BLH.shape[1] + off, b * e_BLH.shape[1] + off + len(s)))
+                    rows.extend(range(b * L + off, b * L + off + len(s)))
                     logits.append(s.sc_logits)
                 off += len(s)
         if logits:
             sc = self.model.soft_embed(torch.cat(logits).to(self.device))
-            soft.view(-1, soft.shape[-1]).index_copy_(0, torch.cat(rows).to(self.device), sc.to(soft.dtype))
+            soft.view(-1, soft.shape[-1]).index_copy_(0, torch.tensor(rows, device=self.device), sc.to(soft.dtype))
         return soft
 
     def _layer_out(self, layer, h, m1, y, scalar):
@@ -257,18 +257,19 @@ class GemmaEpochExecutor(EpochExecutor):
                 it.cache.append(li, k[b, :, :n], v[b, :, :n], pos)
             it.cache.length += n
 
-    def _heads(self, items: list[StepInput], x_BLH: torch.Tensor) -> list[list[torch.Tensor]]:
+    def _heads(self, items: list[StepInput], x_BLH: torch.Tensor, R) -> list[list[torch.Tensor]]:
         """Per segment the logits of its `_head_rows` (its live rows): one LM head call for the live rows of the
-        whole call (`GemmaStages.lm_head_rows`), handed to each segment through `_segment_logits`."""
-        rows, hid = [], []
-        for b, it in enumerate(items):
-            off = 0
-            for s in it.segments:
-                rows_N = self._head_rows(s, x_BLH.device)
-                rows.append(rows_N)
-                hid.append(x_BLH[b, off:off + len(s)][rows_N])
-                off += len(s)
-        logits = self.stages.lm_head_rows(self.model, torch.cat(hid)).split([h.shape[0] for h in hid])
+        whole call (`GemmaStages.lm_head_rows`), handed to each segment through `_segment_logits`. The rows are
+        picked with one mask over the call's valid rows (`Rows.flat`: segment order), not per segment."""
+        dev = x_BLH.device
+        rows = [self._head_rows(s, dev) for it in items for s in it.segments]
+        x_TH = x_BLH.reshape(-1, x_BLH.shape[-1])
+        if R.padded:
+            x_TH = x_TH.index_select(0, R.flat.to(dev))
+        live_T = torch.cat(rows)
+        counts = [len(r) for r in rows]
+        n_live = torch.stack([r.sum() for r in rows]).tolist() if not bool(live_T.all()) else counts
+        logits = self.stages.lm_head_rows(self.model, x_TH if n_live is counts else x_TH[live_T]).split(n_live)
         out, i = [], 0
         for it in items:
             per_seg = []
@@ -307,7 +308,7 @@ class GemmaEpochExecutor(EpochExecutor):
             moe_s += time.perf_counter() - tm
             moe_cpu_s += time.thread_time() - tc
             x = self._layer_out(layer, h, m1, y, layer.layer_scalar)
-        out = self._heads(items, x)
+        out = self._heads(items, x, R)
         for plan in R.plans:
             plan.passes += 1
         self._end_pass(R, t0, c0, moe_s, moe_cpu_s)

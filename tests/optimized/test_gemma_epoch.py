@@ -126,6 +126,9 @@ def test_epoch_with_a_real_atlas_passes_verify_and_catches_a_routing_fault(m32):
     bad = run_verify(m32, ps[:2], DEC, executor="epoch", config="epoch", epoch_kw={"atlas_B": 4}, e2e=False,
                      faults=["route-outside-support"])
     assert bad["exit"]["status"] == 1 and "support-routing" in " ".join(bad["exit"]["reasons"])
+    head = run_verify(m32, ps[:1], DEC, executor="epoch", config="full_compute", e2e=False,
+                      faults=["skip-live-logits"])          # the one-call LM head still goes through _head_rows
+    assert head["exit"]["status"] == 1 and "lm-head" in " ".join(head["exit"]["reasons"])
     with pytest.raises(ValueError, match="without LSP"):
         run_verify(m32, ps[:1], DEC, executor="epoch", config="epoch", faults=["stale-cache"])
 
