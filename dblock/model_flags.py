@@ -77,7 +77,7 @@ def make_forward(model, args):
     dispatcher = None
     if (ep is not None or under_torchrun()) and args.epoch_config != "dense":
         from dblock.optimized.ep import dispatcher_from_cli
-        dispatcher = dispatcher_from_cli(model, ep, args.ep_dispatch, str(model.embed.weight.device))
+        dispatcher = dispatcher_from_cli(model, ep, args.ep_dispatch, str(next(model.parameters()).device))
     return epoch_forward(model, args.epoch_config, refresh=args.refresh, atlas_alpha=args.atlas_alpha,
                          atlas_q=args.atlas_q, update_every=args.update_every, use_triton=args.use_triton,
                          dispatcher=dispatcher, atlas_m=args.atlas_m, atlas_B=args.atlas_B,

@@ -21,11 +21,12 @@ change no token, counter or trace of the executor they wrap (tests/equivalence/t
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 
-from dblock.optimized.executor import EpochExecutor, epoch_config
+from dblock.optimized.executor import EpochExecutor, epoch_class, epoch_config
 from dblock.optimized.plan import EpochConfig
 from dblock.optimized.rows import LayerCall, Rows
 
@@ -95,12 +96,23 @@ class AuditedEpochExecutor(EpochExecutor):
         self.taps.setdefault("moe_in", []).append(c.xn_BLH)
 
 
+@functools.lru_cache(maxsize=None)
+def audited_class(base: type) -> type:
+    """`base` (an Epoch executor class, `epoch_class`) with the audit's recorded steps in front of it:
+    `AuditedEpochExecutor` itself for `EpochExecutor`, one class per other family's executor (the DiffusionGemma
+    executor: `AuditedGemmaEpochExecutor`)."""
+    if base is EpochExecutor:
+        return AuditedEpochExecutor
+    return type(f"Audited{base.__name__}", (AuditedEpochExecutor, base), {})
+
+
 def instrumented_executor(model, cfg: EpochConfig, dispatcher=None, audit: bool = True,
                           faults: Sequence[str] = ()) -> EpochExecutor:
-    """The Epoch executor with the audit records (`audit`) and the named deliberate faults installed."""
+    """The model family's Epoch executor with the audit records (`audit`) and the named deliberate faults
+    installed."""
     from dblock.equivalence.faults import with_faults
-    base = AuditedEpochExecutor if audit else EpochExecutor
-    return with_faults(base, faults)(model, cfg, dispatcher=dispatcher)
+    base = epoch_class(model)
+    return with_faults(audited_class(base) if audit else base, faults)(model, cfg, dispatcher=dispatcher)
 
 
 def audited_epoch_forward(model, config: str = "epoch", faults: Sequence[str] = (), dispatcher=None,

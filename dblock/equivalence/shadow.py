@@ -372,7 +372,8 @@ class ShadowForward(Forward):
         j = self.moe_layers.index(rec["layer"])
         b, off, s, _ = loc
         x = moe_in[j][b, off:off + len(s)]
-        moe = self.model.layers[rec["layer"]].mlp
+        moe_of = getattr(self.opt, "moe_of", None)             # DiffusionGemma: the layer's MoE branch view
+        moe = moe_of(rec["layer"]) if moe_of is not None else self.model.layers[rec["layer"]].mlp
         ap = self.opt.ap
         W, I, R = candidates(moe.router_logits(x), moe.expert_bias, self.config, ap.m)
         support = torch.zeros(self.config.num_experts, dtype=torch.bool)

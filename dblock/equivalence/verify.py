@@ -76,6 +76,11 @@ def run_verify(model, prompts: list, dec: DecodeConfig, schedule: str = "native"
         if f not in rpt.FAULTS:
             raise ValueError(f"--inject-fault {f}: allowed {', '.join(rpt.FAULTS)}")
     cfg = model.config
+    no_cache = [f for f in faults if f in ("stale-cache", "cache-newly-decoded")]
+    if no_cache and getattr(cfg, "mask_token_id", None) is None:
+        raise ValueError(f"--inject-fault {no_cache[0]}: {cfg.family} is uniform-state and runs without LSP (no "
+                         "decoded-output cache for the fault to corrupt); allowed here: route-outside-support, "
+                         "skip-live-logits")
     spec = schedule_spec(schedule) if isinstance(schedule, str) else schedule
     ex_name = "reference" if executor == "reference" else "epoch"
     cfg_name = "reference" if executor == "reference" else config
@@ -100,7 +105,11 @@ def run_verify(model, prompts: list, dec: DecodeConfig, schedule: str = "native"
 
     # 2) liveness probe
     probe_sh = None
-    if probe and getattr(opt, "audit", None) is not None:       # an executor with a cache to exercise
+    if probe and getattr(opt, "audit", None) is not None and getattr(cfg, "mask_token_id", None) is None:
+        # uniform-state (DiffusionGemma): no decoded row before commit, LSP is off, no cache to exercise; and
+        # the probe's fixed-k rule is a masked-diffusion rule
+        rep["probe_decode"] = "skipped: uniform-state model (LSP off, no decoded-output cache to exercise)"
+    elif probe and getattr(opt, "audit", None) is not None:       # an executor with a cache to exercise
         say("liveness probe")
         pdec = probe_decode(dec, cfg.block_size)
         popt = make_optimized(model, executor, config, epoch_kw, faults)

@@ -60,15 +60,16 @@ from dblock.reference.executor import KVCache, LladaReference, build_layout, sta
 
 class EpochExecutor(MoeSteps, Forward):
     name = "epoch"
+    families = ("llada2_moe", "llada_moe")       # DiffusionGemma: `dblock.optimized.gemma_epoch` (`epoch_class`)
 
     def __init__(self, model, cfg: EpochConfig | None = None, dispatcher=None):
-        if model.config.family not in ("llada2_moe", "llada_moe"):
-            raise ValueError(f"the epoch executor runs the LLaDA families; {model.config.family} has no decoded "
-                             "positions before commit (uniform-state), use --executor reference")
+        if model.config.family not in self.families:
+            raise ValueError(f"{type(self).__name__} runs {', '.join(self.families)}, not {model.config.family}: "
+                             "build the epoch executor with `epoch_forward` (it picks the family's class)")
         self.model, self.config = model, model.config
         self.ecfg = cfg or EpochConfig()
         self.ap = self.ecfg.atlas_params.resolved(self.config.num_experts, self.config.num_experts_per_tok)
-        self.reference = LladaReference(model)
+        self.reference = self._make_reference(model)
         self.dispatcher = dispatcher or LocalDispatcher(self.config.num_experts)
         self.plans: dict = {}
         self.arena = None                        # CacheArena, made on the first denoising call (dtype, device)
@@ -80,14 +81,26 @@ class EpochExecutor(MoeSteps, Forward):
         self._last: Any = {}                     # the last pass's statistics (built when first read)
         self._pass = 0                           # denoising calls so far
         self._path_models: dict = {}             # block rows -> PathModel from the cost model (nominal batch)
-        self.stages = TorchStages(grouped_mm=self.ecfg.grouped_mm)
+        self.stages = self._make_stages()
+
+    def _make_reference(self, model) -> Forward:
+        """The family's reference executor: prefill and append passes (exact K/V) run through it."""
+        return LladaReference(model)
+
+    def _make_stages(self):
         if self.ecfg.use_triton:
             from dblock.kernels.stack import TritonStages
-            self.stages = TritonStages(self.config)
+            return TritonStages(self.config)
+        return TorchStages(grouped_mm=self.ecfg.grouped_mm)
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The input embedding's weight (its dtype and device are the model's)."""
+        return self.model.embed.weight
 
     @property
     def device(self):
-        return self.model.embed.weight.device
+        return self.embed_weight.device
 
     # ---- Forward protocol ---------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -281,7 +294,7 @@ class EpochExecutor(MoeSteps, Forward):
         timing = {"moe_s": moe_s, "moe_cpu_s": moe_cpu_s, "executor_s": time.perf_counter() - t0,
                   "executor_cpu_s": time.thread_time() - c0}
         cfg = self.config
-        elem = self.model.embed.weight.element_size()
+        elem = self.embed_weight.element_size()
 
         def build() -> dict:
             layers = [self._stats_of(r) for r in recs]
@@ -332,4 +345,18 @@ def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, 
     cfg = epoch_config(config, refresh=refresh, atlas_alpha=atlas_alpha, atlas_q=atlas_q, update_every=update_every,
                        use_triton=use_triton, atlas_m=atlas_m, atlas_B=atlas_B, atlas_beta=atlas_beta,
                        atlas_c=atlas_c, path=path, path_model=path_model, atlas_repair=atlas_repair)
-    return EpochExecutor(model, cfg, dispatcher=dispatcher)
+    return epoch_class(model)(model, cfg, dispatcher=dispatcher)
+
+
+#: family -> its Epoch executor class. The DiffusionGemma executor subclasses `EpochExecutor` in its own module
+#: (`dblock.optimized.gemma_epoch`), which adds itself here; the package's `__init__` imports it, so the table is
+#: complete whenever this module is importable.
+EPOCH_CLASSES: dict = {"llada2_moe": EpochExecutor, "llada_moe": EpochExecutor}
+
+
+def epoch_class(model) -> type:
+    """The Epoch executor class of `model`'s family (`EPOCH_CLASSES`)."""
+    fam = model.config.family
+    if fam not in EPOCH_CLASSES:
+        raise ValueError(f"the epoch executor has no class for family {fam!r} (it runs {', '.join(EPOCH_CLASSES)})")
+    return EPOCH_CLASSES[fam]

@@ -189,6 +189,80 @@ def grouped_swiglu_torch(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.T
     return out_FH.to(x_FH.dtype)
 
 
+def geglu(x_XH: torch.Tensor, w_gate_up_JH, w_down_HI) -> torch.Tensor:
+    """One DiffusionGemma expert (J = 2I, fused [gate ; up]): down(gelu_tanh(gate x) · up x) -> (X, H), the
+    reference's `Experts.expert` op for op."""
+    gate, up = F_.linear(x_XH, w_gate_up_JH).chunk(2, dim=-1)
+    return F_.linear(F_.gelu(gate, approximate="tanh") * up, w_down_HI)
+
+
+#: Below this many multiply-adds for running *every* expert on every row (F·E·3·I·H), `grouped_geglu_torch` does
+#: exactly that (two batched GEMMs over all experts and one weighted sum) instead of sorting the (row, expert) pairs:
+#: about half the tensor ops, which is what a call this small costs (measured on the 2-core CPU of BENCHMARKS.md:
+#: the bundled tiny-uniform's batch-1 pass, 16 rows of 8 experts, 3.1 M multiply-adds).
+ALL_EXPERTS_MACS = 1 << 22
+
+
+def all_experts_geglu(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.Tensor, w_gate_up_EJH, w_down_EHI):
+    """Σ_k w[f,k] · Expert_{ids[f,k]}(x_f) by running every expert on every row (the weights of the experts a row
+    did not choose are 0; a -1 slot must carry weight 0): one batched GEMM per projection over all E experts, then
+    the per-row weighted sum over experts -> (F, H) in x's dtype."""
+    E = w_gate_up_EJH.shape[0]
+    W_FE = torch.zeros(x_FH.shape[0], E, dtype=w_FK.dtype, device=x_FH.device).scatter_add_(
+        1, ids_FK.clamp(min=0), w_FK)
+    gate, up = torch.matmul(x_FH, w_gate_up_EJH.transpose(1, 2)).chunk(2, dim=-1)      # (E, F, I) each
+    y_EFH = torch.matmul(F_.gelu(gate, approximate="tanh") * up, w_down_EHI.transpose(1, 2))
+    return (y_EFH * W_FE.t().unsqueeze(-1)).sum(0).to(x_FH.dtype)
+
+
+def grouped_geglu_torch(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.Tensor, w_gate_up_EJH, w_down_EHI,
+                        chunk_bytes: int = CHUNK_BYTES, grouped_mm: bool = True) -> torch.Tensor:
+    """DiffusionGemma's routed experts over a whole worklist: Σ_k w[f,k] · down_e(gelu_tanh(gate_e x_f) · up_e x_f),
+    e = ids[f,k], with the fused (E, 2I, H) gate_up weights as stored; slots with id -1 contribute nothing.
+
+    The same grouping as `grouped_swiglu_torch` (one sort for the worklist, chunks of consecutive experts): per
+    chunk two grouped GEMMs (gate_up, down) where this torch has `grouped_mm` for the dtype and `grouped_mm` is on,
+    else the reference's per-expert `linear` calls (`geglu`). Rows accumulate their experts in ascending expert order
+    in x's dtype, as the reference `Experts.forward` does. A call so small that running every expert on every row
+    costs less than the grouping's own tensor ops (`ALL_EXPERTS_MACS`) runs `all_experts_geglu` instead (where the
+    grouped GEMM would run). Returns x's dtype."""
+    F, H = x_FH.shape
+    E, I, K = w_gate_up_EJH.shape[0], w_down_EHI.shape[2], ids_FK.shape[1]
+    gmm = grouped_mm and _grouped_mm_ok(x_FH, w_gate_up_EJH, w_down_EHI)
+    if gmm and 0 < F * E * 3 * I * H <= ALL_EXPERTS_MACS:
+        return all_experts_geglu(x_FH, ids_FK, w_FK, w_gate_up_EJH, w_down_EHI)
+    out_FH = torch.zeros((F, H), dtype=x_FH.dtype, device=x_FH.device)
+    if F == 0:
+        return out_FH
+    key = ids_FK.reshape(-1) + 1                               # -1 (no expert) -> 0: sorts first, cut off below
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=E + 1).tolist()
+    order = order[counts[0]:]
+    counts = counts[1:]
+    row_P, w_P = order // K, w_FK.reshape(-1)[order]
+    for e0, e1, p0, p1 in expert_chunks(counts, chunk_pairs(H, I, x_FH.element_size(), chunk_bytes)):
+        rows_X = row_P[p0:p1]
+        x_XH = x_FH.index_select(0, rows_X)                               # the chunk's rows in expert order
+        if gmm and e1 - e0 > 1:
+            offs, t = [], 0
+            for n in counts[e0:e1]:
+                t += n
+                offs.append(t)
+            offs = torch.tensor(offs, dtype=torch.int32, device=x_FH.device)
+            gate, up = GROUPED_MM(x_XH, w_gate_up_EJH[e0:e1].transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            y_XH = GROUPED_MM(F_.gelu(gate, approximate="tanh") * up, w_down_EHI[e0:e1].transpose(1, 2), offs=offs)
+        else:
+            y_XH = x_XH.new_empty(p1 - p0, H)
+            a = 0
+            for e in range(e0, e1):
+                n = counts[e]
+                if n:
+                    y_XH[a:a + n] = geglu(x_XH[a:a + n], w_gate_up_EJH[e], w_down_EHI[e])
+                    a += n
+        out_FH.index_add_(0, rows_X, (y_XH * w_P[p0:p1, None]).to(out_FH.dtype))
+    return out_FH
+
+
 def moe_buffer_bytes(F: int, P: int, H: int, I: int, elem: int, acc_elem: int = 4,
                      chunk_bytes: int = CHUNK_BYTES) -> int:
     """Peak bytes of the MoE region's row buffers (`grouped_swiglu_torch`) for F rows and P (row, expert) pairs:

@@ -171,6 +171,12 @@ class GemmaConfig:
     def moe_layers(self) -> list:
         return list(range(self.num_hidden_layers))   # every layer has the MoE branch
 
+    # the routing rule in the vocabulary of `dblock.optimized.atlas` (softmax over every expert, one group, top-K;
+    # the renormalisation and the per-expert scale are applied by `dblock.optimized.gemma_epoch.GemmaMoe`)
+    score_function = "softmax"
+    n_group = 1
+    topk_group = 1
+
     def is_moe_layer(self, i: int) -> bool:
         return True
 
