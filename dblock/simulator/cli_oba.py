@@ -71,6 +71,10 @@ def _oba(args) -> int:
     nbar = args.nbar if args.nbar is not None else papers.paper_native_nbar()
     if nbar <= 0:
         raise ValueError(f"--nbar={nbar}: must be positive")
+    if args.simulate and args.alpha < 0:
+        raise ValueError(f"--alpha {args.alpha:g} with --simulate {args.simulate}: the simulation's position model "
+                         "takes α as the passes a warm-up step saves (δ >= 0); give --alpha >= 0 or leave out "
+                         "--simulate (the closed forms take any α in [-0.5, 1))")
     if args.simulate:
         _dist(args.tokens, "--tokens", 1e7)
         from dblock.simulator.dists import Dist

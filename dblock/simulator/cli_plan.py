@@ -11,7 +11,7 @@ from dblock.simulator.cli_common import _dist, _emit, _ints
 
 
 def add_parsers(sub, common) -> None:
-    from dblock.simulator.plan import PRICES
+    from dblock.simulator.hardware import PRICES
     p = sub.add_parser("plan", help="the cheapest deployment (GPUs, TP/EP/SP, replicas, batch cap, executor) that "
                                     "meets P95 ITL / TTFT objectives",
                        description="Search hardware kinds, GPUs per replica, TP/EP/SP, replicas, batch cap, executor "

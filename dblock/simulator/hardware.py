@@ -16,6 +16,10 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+#: placeholder prices, US$ per GPU-hour, that `dblock simulate plan` uses unless `--price KIND=USD` says otherwise
+#: (here, not in plan.py, so that building the CLI parser imports no numpy)
+PRICES = {"h100": 2.50, "h200": 3.50, "b200": 5.50, "gb300": 8.00, "a100": 1.50}
+
 TB = 1e12
 GB = 1e9
 

@@ -38,14 +38,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dblock.config import ModelConfig
-from dblock.simulator import cost
+from dblock.simulator import cost, hardware
 from dblock.simulator.dists import Dist
 from dblock.simulator.hardware import Hardware
 from dblock.simulator.liveness import per_pass
 from dblock.simulator.positions import ParametricProfile, PositionModel, Profile, simulate_chain
 
 #: placeholder prices, US$ per GPU-hour (rough on-demand cloud list prices; override with --price KIND=USD)
-PRICES = {"h100": 2.50, "h200": 3.50, "b200": 5.50, "gb300": 8.00, "a100": 1.50}
+PRICES = hardware.PRICES     # placeholder US$ per GPU-hour (--price overrides)
 GPUS_PER_REPLICA = (1, 2, 4, 8)
 CAPS = (16, 32, 64, 128, 256, 512)
 SUPPORT_BLOCK = 0.16   # Expert Atlas support of one block / E (serving.ServeConfig's default)

@@ -78,6 +78,8 @@ def test_errors_are_value_errors(capsys):
         run(["simulate", "pass", "--hardware", "tpu"], capsys)
     with pytest.raises(ValueError, match="--slo=-1"):
         run(["simulate", "search", "--slo", "-1"], capsys)
+    with pytest.raises(ValueError, match="--alpha -0.3 with --simulate 5"):     # the position model needs δ >= 0
+        run(["simulate", "oba", "--alpha=-0.3", "--simulate", "5"], capsys)
 
 
 def test_predict_command_with_a_profile(tmp_path, capsys):
