@@ -221,3 +221,54 @@ def test_models_carry_their_published_sizes():
     for name, total, active in (("llada2-flash", 100e9, 6.1e9), ("diffusion-gemma", 26e9, 4e9)):
         c = cost.param_counts(cost.get_model(name))
         assert c["total"] == pytest.approx(total, rel=0.05) and c["active"] == pytest.approx(active, rel=0.15)
+
+
+def test_operator_profile_plan_is_the_highest_rate_that_holds_its_slo(tmp_path, tiny_dirs, capsys):
+    """`simulate plan --operator-profile P --liveness-from TRACE`: one replica on the machine a profile measured. The
+    plan's rate, re-served by the same batched model, holds the objective; 1.5x that rate does not; the JSON carries
+    the plan's keys."""
+    import time
+
+    import dblock
+    from dblock.cli import main
+    from dblock.simulator import plan_profiled as pp
+    from dblock.simulator.profile import ProfiledCost
+    from dblock.simulator.profiler import Profiler
+    folder = tiny_dirs["llada2_moe"]
+    prof = Profiler(dblock.load(folder), name="tiny", repeats=2, max_rows_blocks=2, max_requests=2,
+                    context_blocks=2, min_sample_s=0.0, timer=time.thread_time).run(("reference",))
+    prof_path = str(tmp_path / "tiny.json")
+    prof.save(prof_path)
+    trace = str(tmp_path / "native.jsonl")
+    ids = [["--prompt-ids", ",".join(str(5 + (i * 7 + j) % 40) for j in range(3 + i % 4))] for i in range(6)]
+    assert main(["generate", "--model", folder, "--max-new-tokens", "24", "--trace", trace,
+                 *[a for p in ids for a in p]]) == 0
+    capsys.readouterr()
+    argv = ["simulate", "plan", "--operator-profile", prof_path, "--liveness-from", trace, "--executors", "dense",
+            "--caps", "2,4", "--requests", "24"]
+    # an objective this machine can hold: 4x the ITL of one request alone
+    from dblock.simulator import batch
+    from dblock.simulator.calibrate import Run
+    run_ = Run.load(trace)
+    by = {}
+    for b in run_.blocks:
+        by.setdefault(str(b["request"]), []).append(b)
+    wl = batch.Workload.from_runs([r["prompt_len"] for r in run_.requests], 24,
+                                  [by[str(r["request"])] for r in run_.requests], run_.block_size)
+    cost_ = ProfiledCost(prof, "reference", "median", 1.0)
+    alone = pp.serve(wl, cost_, 1e-3, 1, 24)["itl_p95"]
+    slo = 4 * alone
+    rc, out = run(argv + ["--slo-itl", f"{slo:.6f}", "--json"], capsys)
+    res = json.loads(out)
+    assert rc == 0 and res["plans"], res
+    p = res["plans"][0]
+    for k in ("hardware", "gpus", "tp", "ep", "replicas", "batch_cap", "executor", "schedule", "p95_itl_s", "rate"):
+        assert k in p
+    assert p["executor"] == "reference" and p["batch_cap"] in (2, 4) and p["p95_itl_s"] <= slo
+    y_mean = float(np.mean([r.Y for r in wl.requests]))
+    again = pp.serve(wl, cost_, p["rate"], p["batch_cap"], 24)
+    assert pp._meets(again, p["rate"], y_mean, slo, None)
+    assert not pp._meets(pp.serve(wl, cost_, 1.5 * p["rate"], p["batch_cap"], 24), 1.5 * p["rate"], y_mean, slo,
+                         None)
+    with pytest.raises(ValueError, match="--slo-itl or --slo-ttft"):
+        run(argv, capsys)
