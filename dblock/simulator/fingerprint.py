@@ -13,6 +13,8 @@ def machine_tag() -> str:
 
 #: the packages whose code a profile times: a change there (an executor made faster) makes a profile stale
 CODE_PACKAGES = ("reference", "optimized", "decoding", "kernels")
+#: and the measuring method whose change makes the old tables wrong (the Epoch MoE table from real decode passes)
+METHOD_FILES = ("simulator/profiler_epoch.py",)
 
 
 def code_fingerprint() -> str:
@@ -28,4 +30,8 @@ def code_fingerprint() -> str:
                 h.update(f"{pkg}/{name}\0".encode())
                 with open(os.path.join(d, name), "rb") as f:
                     h.update(f.read())
+    for name in METHOD_FILES:
+        with open(os.path.join(root, name), "rb") as f:
+            h.update(f"{name}\0".encode())
+            h.update(f.read())
     return h.hexdigest()[:16]

@@ -26,7 +26,9 @@ Operators (one table each; `per` says what one value is):
     admit(requests)              the extra host work of an iteration that admits that many requests (serving)
     epoch_moe(rows, fresh_frac)  the Epoch executor's MoE region of one layer (fresh rows through the experts,
                                  stable decoded rows from its cache, supports, shared expert) over `rows` valid rows
-                                 of which `fresh_frac` are fresh; measured from the executor's own passes
+                                 of which `fresh_frac` are fresh; measured from the executor's own passes on
+                                 real Native decodes of the model's task (`profiler_epoch.py`: the Atlas's
+                                 per-token fail-closed and repair included)
     epoch_call_denoise(requests, segments)   the Epoch executor's fixed cost of a denoising call
 
 Interpolation: one axis, `scipy.interpolate.interp1d` (linear, extrapolated linearly beyond the grid); more axes,

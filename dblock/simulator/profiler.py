@@ -19,10 +19,11 @@ shapes; llada2_moe and llada_moe models):
                                `segments` blocks of C rows, half decoded) minus the operators above at their shapes
     driver(requests), admit(requests)   the serving engine's `step` on real Native requests minus the time inside
                                executor calls; the extra of the iteration that admits them
-    epoch_moe(rows, fresh_frac), epoch_call_denoise(requests, segments)
-                               Epoch executor passes over the life of synthetic blocks (decoded share 0 … 7/8, so
-                               the fresh share takes every grid value; cold, hot and refresh passes), the MoE region
-                               from the executor's own `moe_s` share of the pass, the rest as above
+    epoch_moe(rows, fresh_frac)  the Epoch MoE region of the passes of real Native decodes of the model's task
+                               (the Expert Atlas's fail-closed, re-routing and repair included; synthetic blocks
+                               only where no decode pass lands), from the executor's own `moe_s` share of the pass
+    epoch_call_denoise(requests, segments)   Epoch passes over the life of synthetic blocks minus the operators
+                               (`profiler_epoch.py`)
 
 Every value is a per-call time from `time.thread_time` (the calling thread's CPU time, which excludes waiting for a
 core on a shared machine): each grid point is run `repeats` times (after one warm-up), each repeat timing enough
@@ -402,72 +403,10 @@ class Profiler:
                                      note="extra host work of the iteration that admits this many requests")]
 
     def epoch(self) -> list:
-        """epoch_moe(rows, fresh_frac) and epoch_call_denoise(requests, segments) from real Epoch passes."""
-        from dblock.optimized.executor import epoch_forward
-        torch, cfg, C = self.torch, self.cfg, self.C
-        n_moe = len(cfg.moe_layers)
-        if not n_moe:
-            return []
-        fracs = [0.125, 0.25, 0.5, 0.75, 1.0]
-        decoded = [0.875, 0.75, 0.5, 0.25, 0.0]
-        rows = [B * C for B in self.requests]
-        moe_s = {(i, j): [] for i in range(len(rows)) for j in range(len(fracs))}
-        call_s = {(i, s): [] for i in range(len(self.requests)) for s in (0, 1)}
-        M_C = 5
-        with torch.no_grad():
-            for i, B in enumerate(self.requests):
-                for segments in (1, 2):
-                    for d in (decoded if segments == 1 else [0.5]):
-                        fwd = epoch_forward(self.model, "epoch")
-                        items = self._items(fwd, B, segments, d, warm_all_masked=True)
-                        live = [int(s.live.sum()) for it in items for s in it.segments]
-                        ctx = items[0].cache.length + segments * C
-                        # the non-MoE operators at this call's shapes, timed right after every pass
-                        other = self._ops_fn(B, segments * C, ctx, live, with_moe=False)
-                        other()
-                        n_pass = max(2 * M_C, self.repeats + 2)
-                        for p in range(n_pass):
-                            t0 = self.timer()
-                            fwd.denoise(items)
-                            dt = self.timer() - t0
-                            t0 = self.timer()
-                            other()
-                            t_other = self.timer() - t0
-                            st = fwd.last_pass_stats()
-                            if p == 0 and segments == 1 and d == 0.0:
-                                continue                 # the very first pass also allocates the cache arena
-                            share = st["moe_s"] / st["executor_s"] if st.get("executor_s") else 0.0
-                            moe = dt * share / n_moe
-                            fr = st["fresh"] / max(1, B * segments * C)
-                            residual = dt - n_moe * moe - t_other
-                            if segments == 1:
-                                j = int(np.argmin([abs(fr - f) for f in fracs]))
-                                moe_s[(i, j)].append(moe)
-                                if d == 0.5:
-                                    call_s[(i, 0)].append(residual)
-                            else:
-                                call_s[(i, 1)].append(residual)
-                self._tick(f"epoch requests {B}")
-
-        def pick(v):
-            v = sorted(v)
-            if not v:
-                return [float("nan")] * self.repeats
-            idx = np.linspace(0, len(v) - 1, self.repeats).round().astype(int)
-            return [v[k] for k in idx]                  # quantile-preserving subsample of the passes
-        em = np.array([[pick(moe_s[(i, j)]) for j in range(len(fracs))] for i in range(len(rows))])
-        for i in range(len(rows)):                      # a (rows, fraction) cell no pass landed in: its neighbour
-            for j in range(len(fracs)):
-                if np.isnan(em[i, j]).any():
-                    k = next((k for k in range(len(fracs)) if not np.isnan(em[i, k]).any()), None)
-                    em[i, j] = em[i, k] if k is not None else 0.0
-        ec = np.array([[pick(call_s[(i, s)]) for s in (0, 1)] for i in range(len(self.requests))])
-        ec = np.nan_to_num(ec)
-        return [OpTable.from_samples("epoch_moe", ["rows", "fresh_frac"], [rows, fracs], em, [True, True],
-                                     per="MoE layer", note="Epoch MoE region: this pass's thread time × the "
-                                     "executor's moe_s/executor_s, over its MoE layers; cold/refresh passes at 1"),
-                OpTable.from_samples("epoch_call_denoise", ["requests", "segments"], [self.requests, [1, 2]], ec,
-                                     [True, True], per="denoising call", note="whole Epoch call minus operators")]
+        """epoch_moe(rows, fresh_frac) from real Native decode passes and epoch_call_denoise(requests, segments)
+        (`profiler_epoch.epoch_tables`)."""
+        from dblock.simulator.profiler_epoch import epoch_tables
+        return epoch_tables(self)
 
     # ---- drift anchors ----------------------------------------------------------------------------------------
     def anchors(self) -> dict:
@@ -530,6 +469,7 @@ class Profiler:
                     torch=torch.__version__, threads=torch.get_num_threads(), dtype=str(self.dtype).split(".")[-1],
                     device="cpu", timer=TIMER, repeats=self.repeats, min_sample_s=self.min_s,
                     executors=list(executors), seconds=time.perf_counter() - t0, code=code_fingerprint(),
+                    epoch_moe_cells=getattr(self, "cells", None), epoch_atlas_hot=getattr(self, "atlas_hot", None),
                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
         return Profile(meta, dict(self.tables))
 
