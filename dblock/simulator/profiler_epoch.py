@@ -5,7 +5,7 @@
     epoch_call_denoise(requests, segments)   the Epoch call's fixed cost (whole call minus its operators)
 
 `epoch_moe` comes from the passes of real Native decodes with the Epoch executor (`decode_passes`): B prompts of
-the model's own task (its card's, train split; random prompts for a model without one) decoded at the card's
+the model's own task (its card's, test problems from PROMPTS_START on; random prompts for a model without one) decoded at the card's
 decoding, 3 blocks each, every pass timed, its MoE region the executor's own `moe_s` share of the pass. Those
 passes carry what the Expert Atlas does on a real decode — the per-token fail-closed check and the re-routing of the
 rows it opens (`_cover_fresh`: rows decoded since the support was built want experts the build never saw), the hot
@@ -27,11 +27,14 @@ from dblock.simulator.measure import TimedForward
 
 FRACS = [0.125, 0.25, 0.5, 0.75, 1.0]
 DECODE_BLOCKS = 3                     # blocks decoded per request in a calibration decode
+PROMPTS_START = 1000                  # the calibration decodes' first test problem (see decode_prompts)
 
 
 def decode_prompts(model, n: int, gen) -> list:
-    """`n` prompts (token ids) of the model's own task, train split (the card's task; validate and the demo hold
-    out the test split), else random prompts of half a block."""
+    """`n` prompts (token ids) of the model's own task (the card's), test split from problem PROMPTS_START on --
+    the card, `simulate validate`, the demo, the notebooks and BENCHMARKS.md decode the first few hundred, so the
+    profile never times the runs it predicts (and the code task's test split lists in 2 s, its train split in 30)
+    -- else random prompts of half a block."""
     import torch
     cfg = model.config
     src = getattr(model, "source", None)
@@ -42,7 +45,7 @@ def decode_prompts(model, n: int, gen) -> list:
         card = read_card(src) if src else None
         if card and card.get("task"):
             tok = TokenizerAdapter.from_folder(src)
-            return [tok.encode(e.prompt) for e in get_task(card["task"]).examples("train", n)]
+            return [tok.encode(e.prompt) for e in get_task(card["task"]).examples("test", n, start=PROMPTS_START)]
     except (OSError, ValueError, KeyError):
         pass
     V, mask = cfg.vocab_size, cfg.mask_token_id
