@@ -6,7 +6,7 @@ import math
 
 from dblock.cli_args import float_arg, int_arg
 from dblock.out_paths import check_out_file
-from dblock.simulator.cli_common import _dist, _emit
+from dblock.simulator.cli_common import _dist, _emit, show_progress
 
 #: `simulate oba --simulate R`: the most denoising passes (R responses x blocks x passes per block) simulated
 MAX_SIM_PASSES = 20_000_000
@@ -99,7 +99,7 @@ def _oba(args) -> int:
         for sched in ("native", "oba"):
             m = PositionModel(prof, delta=args.alpha, noise_sd=0.2)
             res[sched] = simulate_decoding(m, sched, args.tokens, args.simulate, r=args.r, seed=args.seed,
-                                           progress=not args.json)
+                                           progress=show_progress(args))
         nb = res["native"].F / res["native"].K
         sim_means = res["oba"].mean_passes_by_index(args.k_max)
         try:

@@ -7,7 +7,7 @@ import sys
 
 from dblock.cli_args import float_arg, int_arg
 from dblock.out_paths import check_out_file
-from dblock.simulator.cli_common import _dist, _emit, _ints
+from dblock.simulator.cli_common import _dist, _emit, _ints, show_progress
 
 
 def add_parsers(sub, common) -> None:
@@ -273,7 +273,7 @@ def _plan(args) -> int:
         return _plan_profiled(args)
     inp = _inputs(args)
     inp.frontier = bool(args.plot)
-    res = plan.search(inp, progress=not args.json)
+    res = plan.search(inp, progress=show_progress(args))
     if args.plot:
         from dblock.simulator.plots import plan_frontier
         plan_frontier(res.points, res.plans, args.plot, f"{inp.model} at {inp.rate:.3g} req/s")

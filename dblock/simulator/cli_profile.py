@@ -8,7 +8,7 @@ import sys
 
 from dblock.cli_args import float_arg, int_arg
 from dblock.out_paths import check_out_file
-from dblock.simulator.cli_common import _dist, _emit
+from dblock.simulator.cli_common import _dist, _emit, show_progress
 
 
 def add_parsers(sub, common) -> None:
@@ -156,7 +156,7 @@ def _profile(args) -> int:
     if bad or not ex or "reference" not in ex:
         raise ValueError(f"--executors {args.executors!r}: give reference or reference,epoch")
     prof = profile_model(args.model, out=out, executors=ex, quick=args.quick, repeats=args.repeats,
-                         progress=not args.json)
+                         progress=show_progress(args))
     lines = [f"profile of {args.model} on {prof.meta['machine']} ({prof.meta['threads']} thread(s), "
              f"{prof.meta['repeats']} repeats, {prof.meta['seconds']:.0f} s), written to {out}"]
     for name, t in sorted(prof.tables.items()):
@@ -247,7 +247,7 @@ def _validate(args) -> int:
         from dblock.simulator.profiler import profile_model
         if not args.json:
             print(f"no profile at {path}: measuring one first{' (quick)' if args.quick else ''}", file=sys.stderr)
-        prof = profile_model(args.model, out=path, quick=args.quick, progress=not args.json,
+        prof = profile_model(args.model, out=path, quick=args.quick, progress=show_progress(args),
                              executors=("reference",) if args.no_epoch else ("reference", "epoch"))
     rep = validate.run(plan, prof, progress=None if args.json else (lambda s: print(s, file=sys.stderr)))
     d = rep.meta.get("drift", {})

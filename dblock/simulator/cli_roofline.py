@@ -9,7 +9,7 @@ import sys
 
 from dblock.cli_args import float_arg, int_arg
 from dblock.out_paths import check_out_file
-from dblock.simulator.cli_common import _dist, _emit, _floats, _ints, _positive_floats
+from dblock.simulator.cli_common import _dist, _emit, _floats, _ints, _positive_floats, show_progress
 
 
 def add_parsers(sub, common) -> None:
@@ -237,8 +237,8 @@ def _search(args) -> int:
     paths = ["dense", "epoch"] if args.path == "both" else [args.path]
     data, lines = {}, []
     for path in paths:
-        res = best_batch_cap(_serve_config(args, path), args.slo, _ints(args.caps, "--caps"), progress=not args.json,
-                             rate_hi=args.rate_max)
+        res = best_batch_cap(_serve_config(args, path), args.slo, _ints(args.caps, "--caps"),
+                             progress=show_progress(args), rate_hi=args.rate_max)
         data[path] = res
         b = res["best"]
         lines.append(f"{path}: best batch cap {b['batch_cap']} holds P95 ITL <= {1e3 * args.slo:.0f} ms up to "

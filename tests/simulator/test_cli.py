@@ -107,3 +107,27 @@ def test_profile_and_validate_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match="--executors"):
         run(["simulate", "profile", "--model", "tiny-masked", "--executors", "epoch", "--out",
              str(tmp_path / "x.json")], capsys)
+
+
+def test_progress_bars_only_on_a_terminal_or_when_asked(monkeypatch):
+    """A captured stderr (not a terminal) gets no progress bars, so a failing command leaves one error line there;
+    DBLOCK_PROGRESS=1 / 0 forces them on / off; --json never draws them."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    from dblock.simulator.cli_common import show_progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.delenv("DBLOCK_PROGRESS", raising=False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert not show_progress(SimpleNamespace(json=False))
+    monkeypatch.setattr(sys, "stderr", Tty())
+    assert show_progress(SimpleNamespace(json=False)) and not show_progress(SimpleNamespace(json=True))
+    monkeypatch.setenv("DBLOCK_PROGRESS", "0")
+    assert not show_progress(SimpleNamespace(json=False))
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.setenv("DBLOCK_PROGRESS", "1")
+    assert show_progress(SimpleNamespace(json=False))
