@@ -99,7 +99,8 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
     rows = []
     names = [m for m in dict.fromkeys(p[0] for p in PLAN) if m in bundled]
     # one step per decoding run; on stderr, shown on a terminal (or with DBLOCK_PROGRESS=1), never in --json output
-    show = os.environ.get("DBLOCK_PROGRESS") == "1" or (sys.stderr.isatty() and os.environ.get("DBLOCK_PROGRESS") != "0")
+    from dblock.simulator.cli_common import show_progress
+    show = show_progress()
     bar = tqdm(total=repeats * sum(p[0] in names for p in PLAN), desc="demo", unit="run", file=sys.stderr,
                disable=not show, leave=False)
     for name in names:

@@ -53,7 +53,8 @@ from dblock.optimized.plan import EpochConfig
 from dblock.optimized.rows import LayerCall
 from dblock.optimized.gemma_stages import GemmaStages
 from dblock.reference.gemma_config import SLIDING
-from dblock.reference.gemma_executor import GemmaBatch, GemmaReference, build_batch, layer_mask, stack_past
+from dblock.reference.gemma_executor import (GemmaBatch, GemmaReference, append_to_caches, build_batch, layer_mask,
+                                             stack_past)
 
 
 class GemmaMoe:
@@ -250,12 +251,7 @@ class GemmaEpochExecutor(EpochExecutor):
             ids, w = self._route_rows(moe, moe.router_logits(h_TH), None)
             y = st.experts(moe.expert_input(h_TH), ids, w, moe.w_gate_up, moe.w_down).view(h.shape)
             x = self._layer_out(layer, h, m1, y, layer.enc_layer_scalar)
-        for b, it in enumerate(items):
-            n = batch.lens[b]
-            pos = batch.positions[b, :n]
-            for li, (k, v) in enumerate(new_kv):
-                it.cache.append(li, k[b, :, :n], v[b, :, :n], pos)
-            it.cache.length += n
+        append_to_caches(items, batch, new_kv)
 
     def _heads(self, items: list[StepInput], x_BLH: torch.Tensor, R) -> list[list[torch.Tensor]]:
         """Per segment the logits of its `_head_rows` (its live rows): one LM head call for the live rows of the

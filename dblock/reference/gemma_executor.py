@@ -87,6 +87,16 @@ def stack_past(items: list[StepInput], layer: int, ref: torch.Tensor):
     return torch.stack(ks), torch.stack(vs), kpos, kvalid
 
 
+def append_to_caches(items: list[StepInput], batch: GemmaBatch, new_kv) -> None:
+    """Commit an encoder call's keys and values (`new_kv`: per layer (k, v) over the batch) to each item's cache."""
+    for b, it in enumerate(items):
+        n = batch.lens[b]
+        pos = batch.positions[b, :n]
+        for layer, (k, v) in enumerate(new_kv):
+            it.cache.append(layer, k[b, :, :n], v[b, :, :n], pos)
+        it.cache.length += n
+
+
 def layer_mask(batch: GemmaBatch, kpos, kvalid, sliding: bool, window: int) -> torch.Tensor:
     """(B, L, Sc + L) bool over keys [cache ; new rows] for one layer type.
 
@@ -158,13 +168,7 @@ class GemmaReference(Forward):
         self._check_prompts(items)
         batch = build_batch(items, self.device, encoder=True)
         past, masks = self._masks_and_past(items, batch)
-        new_kv = self.model.encode(batch.tokens, batch.positions, masks, past)
-        for b, it in enumerate(items):
-            n = batch.lens[b]
-            pos = batch.positions[b, :n]
-            for layer, (k, v) in enumerate(new_kv):
-                it.cache.append(layer, k[b, :, :n], v[b, :, :n], pos)
-            it.cache.length += n
+        append_to_caches(items, batch, self.model.encode(batch.tokens, batch.positions, masks, past))
 
     @torch.no_grad()
     def hidden(self, items: list[StepInput], taps=None):
