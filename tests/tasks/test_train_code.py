@@ -47,6 +47,21 @@ def test_a_few_steps_reduce_the_loss_and_the_export_loads_with_its_tokenizer(tmp
     assert CodeTokenizer.load(str(tmp_path / "m")).hf.to_str() == CodeTokenizer.load(TOKENIZER).hf.to_str()
 
 
+def test_uniform_state_code_run_with_noisy_context_reduces_the_loss(tmp_path):
+    """`train-tiny --family diffusion_gemma --task code --noisy-context`: the recipe code-uniform is trained with.
+    A few steps take the loss down, the command that reproduces it keeps the flag, and the export loads as a
+    DiffusionGemma model with the code tokenizer."""
+    import dblock
+    summary = train(code_cfg(tmp_path / "u", family="diffusion_gemma", noisy_context=0.3, steps=30),
+                    log=lambda *a: None)
+    hist = json.load(open(tmp_path / "u" / "train_summary.json"))["history"]
+    assert hist[-1]["ce"] < hist[0]["ce"] - 0.5, hist
+    assert "--family diffusion_gemma" in summary["reproduce"] and "--noisy-context 0.3" in summary["reproduce"]
+    m = dblock.load(str(tmp_path / "u"))
+    assert m.config.family == "diffusion_gemma" and m.config.vocab_size == 2048
+    assert CodeTokenizer.load(str(tmp_path / "u")).hf.to_str() == CodeTokenizer.load(TOKENIZER).hf.to_str()
+
+
 def test_resumed_code_run_equals_the_uninterrupted_one_and_bf16_export(tmp_path):
     import dblock
     full = code_cfg(tmp_path / "a", steps=6, save_every=2)
