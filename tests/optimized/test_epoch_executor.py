@@ -313,7 +313,10 @@ def test_a_hot_row_its_support_does_not_cover_is_routed_with_every_expert():
         opened = restricted & (kept_mass < self.ap.alpha * R - 1e-9)
         assert torch.equal(opened, c.open_F)
         plain_ids, plain_w = route_restricted(c.logits_FE, c.moe.expert_bias, self.config)
-        assert torch.equal(out_ids[opened], plain_ids[opened]) and torch.equal(out_w[opened], plain_w[opened])
+        # the same experts; the weights up to float rounding: the executor routes the opened rows on their own,
+        # the plain router here routes every row in one call, and the vectorised reductions may round differently
+        assert torch.equal(out_ids[opened], plain_ids[opened])
+        torch.testing.assert_close(out_w[opened], plain_w[opened], rtol=1e-6, atol=1e-6)
         assert torch.equal(out_ids[~opened], ids[~opened])
         seen["open"] += int(opened.sum())
         seen["kept"] += int((restricted & ~opened).sum())
