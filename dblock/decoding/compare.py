@@ -88,6 +88,10 @@ def run_schedule(fwd, prompts, dec, name: str, seeds, batch_size: Optional[int] 
             row.update(token_accuracy=sum(ta) / len(ta), token_accuracy_ci=bootstrap_ci(ta),
                        accuracy_ci=bootstrap_ci([float(x) for x in ok]),
                        per_request_quality={"correct": ok, "token_accuracy": ta})
+            if "answer_token_accuracy" in graded[0]:     # the whole answer: the blocks a warm-up block prepared
+                aa = [float(g["answer_token_accuracy"]) for g in graded]
+                row.update(answer_token_accuracy=sum(aa) / len(aa), answer_token_accuracy_ci=bootstrap_ci(aa))
+                row["per_request_quality"]["answer_token_accuracy"] = aa
         else:
             ok = graded
         row["accuracy"] = sum(ok) / len(ok)
@@ -160,6 +164,9 @@ def derive(rows: list, n_boot: int = 1000) -> list:
             if qa and qb and len(qa["token_accuracy"]) == len(qb["token_accuracy"]):
                 from dblock.tasks.code import paired_bootstrap_ci
                 r["token_accuracy_delta_ci"] = paired_bootstrap_ci(qa["token_accuracy"], qb["token_accuracy"])
+                if "answer_token_accuracy" in qa and "answer_token_accuracy" in qb:
+                    r["answer_token_accuracy_delta_ci"] = paired_bootstrap_ci(qa["answer_token_accuracy"],
+                                                                              qb["answer_token_accuracy"])
                 r["accuracy_delta_ci"] = paired_bootstrap_ci([float(x) for x in qa["correct"]],
                                                              [float(x) for x in qb["correct"]])
         if r["schedule"] == "native2c":   # a wider block: alpha (passes saved per warm-up step) does not apply
@@ -216,11 +223,13 @@ def compare_schedules(fwd, prompts: Sequence, dec: DecodeConfig, schedules: Sequ
 COLUMNS = [("schedule", "{:<12}"), ("TPF", "{:>6.2f}"), ("TPF_ratio_ci", "{:>13}"), ("TPS", "{:>8.1f}"), ("T_den_ms", "{:>8.2f}"),
            ("r", "{:>5.2f}"), ("beta", "{:>5.2f}"), ("n", "{:>6.2f}"), ("alpha_naive", "{:>6.2f}"), ("alpha", "{:>6.2f}"),
            ("alpha_ci", "{:>13}"), ("margin", "{:>7.2f}"), ("verdict", "{:>13}"), ("first_pass_accepted", "{:>6.2f}"),
-           ("accuracy", "{:>6.3f}"), ("token_accuracy", "{:>6.3f}"), ("token_accuracy_delta_ci", "{:>13}")]
+           ("accuracy", "{:>6.3f}"), ("token_accuracy", "{:>6.3f}"), ("token_accuracy_delta_ci", "{:>13}"),
+           ("answer_token_accuracy", "{:>6.3f}"), ("answer_token_accuracy_delta_ci", "{:>13}")]
 HEADERS = {"schedule": "schedule", "TPF": "TPF", "TPF_ratio_ci": "TPF× 95% CI", "alpha_ci": "α 95% CI", "TPS": "TPS", "T_den_ms": "T_den ms", "r": "r", "beta": "β", "n": "n/blk",
            "alpha_naive": "ᾱ", "alpha": "α", "margin": "α-(r-1)", "verdict": "verdict",
            "first_pass_accepted": "1st-acc", "accuracy": "acc", "token_accuracy": "tok-acc",
-           "token_accuracy_delta_ci": "Δtok 95% CI"}
+           "token_accuracy_delta_ci": "Δtok 95% CI", "answer_token_accuracy": "ans-tok",
+           "answer_token_accuracy_delta_ci": "Δans 95% CI"}
 
 
 def format_table(rows: list) -> str:

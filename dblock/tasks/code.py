@@ -44,6 +44,7 @@ CONTEXT_CHARS = 320       # prompt: whole lines ending with the cut line, at mos
 REF_CHARS = 400           # reference continuation kept (a place needs MIN_REF_CHARS of file after it)
 MIN_REF_CHARS = 240
 TOKEN_N = 32              # token_accuracy over the first TOKEN_N generated ids
+ANSWER_N = 64             # answer_token_accuracy over the first ANSWER_N ids (both blocks of an answer)
 KINDS = ("body", "block")
 _COMPOUND = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef,
              ast.AsyncFunctionDef, ast.ClassDef) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())
@@ -154,10 +155,15 @@ class CodeTask:
 
     @staticmethod
     def score(example: Example, text: str, ids: list, ref_ids: list) -> dict:
-        """Per-request metrics: next_line_exact (bool) and token_accuracy over the first TOKEN_N ids."""
-        n = min(TOKEN_N, len(ref_ids))
-        hits = sum(1 for i in range(n) if i < len(ids) and int(ids[i]) == int(ref_ids[i]))
-        return {"next_line_exact": next_line(text) == example.final, "token_accuracy": hits / n if n else 0.0}
+        """Per-request metrics: next_line_exact (bool), token_accuracy over the first TOKEN_N ids (the first block)
+        and answer_token_accuracy over the first ANSWER_N (the whole answer: under a multi-block schedule the later
+        blocks are the ones a warm-up block prepared)."""
+        def acc(n):
+            n = min(n, len(ref_ids))
+            hits = sum(1 for i in range(n) if i < len(ids) and int(ids[i]) == int(ref_ids[i]))
+            return hits / n if n else 0.0
+        return {"next_line_exact": next_line(text) == example.final, "token_accuracy": acc(TOKEN_N),
+                "answer_token_accuracy": acc(ANSWER_N)}
 
 
 def bootstrap_ci(values, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> list:

@@ -56,7 +56,8 @@ def prompts_and_grader(task, adapter: "TokenizerAdapter", examples) -> tuple:
         cut = [int(t) for t in out]
         cut = cut[:cut.index(adapter.eos_id)] if adapter.eos_id in cut else cut
         sc = task.score(e, text, cut, adapter.encode(e.answer))
-        return {"correct": sc["next_line_exact"], "token_accuracy": sc["token_accuracy"]}
+        return {"correct": sc["next_line_exact"], "token_accuracy": sc["token_accuracy"],
+                "answer_token_accuracy": sc["answer_token_accuracy"]}
     return prompts, grader
 
 

@@ -33,6 +33,29 @@ def test_rows_and_derived_columns():
     assert oba["F"] <= native["F"]
 
 
+def test_code_quality_columns_first_block_and_whole_answer():
+    """A code-task grader's dict: token accuracy of the first block and of the whole answer, each with its CI, and
+    the paired Δ against Native; the printed table carries both."""
+    from dblock.decoding.compare import format_table
+    fwd = reference_forward(make_tiny_model("llada2_moe", seed=1))
+
+    def grader(ids, out):
+        out = [int(t) for t in out]
+        return {"correct": False, "token_accuracy": (sum(out[:8]) % 5) / 4,
+                "answer_token_accuracy": (sum(out) % 3) / 2}
+    rows = compare_schedules(fwd, [[5, 6, 7], [9, 10, 11, 12, 13]], DecodeConfig(max_new_tokens=24),
+                             ["native", "oba"], seeds=[0, 100], grader=grader)
+    native, oba = rows
+    aa = native["per_request_quality"]["answer_token_accuracy"]
+    assert len(aa) == 4 and native["answer_token_accuracy"] == pytest.approx(sum(aa) / 4)
+    lo, hi = native["answer_token_accuracy_ci"]
+    assert lo <= native["answer_token_accuracy"] <= hi
+    d_lo, d_hi = oba["answer_token_accuracy_delta_ci"]
+    diff = oba["answer_token_accuracy"] - native["answer_token_accuracy"]
+    assert d_lo - 1e-12 <= diff <= d_hi + 1e-12 and "answer_token_accuracy_delta_ci" not in native
+    assert "ans-tok" in format_table(rows) and "Δans 95% CI" in format_table(rows)
+
+
 def test_derive_without_native_leaves_ratios_empty():
     rows = derive([{"schedule": "oba", "T_den_ms": 1.0, "F": 10, "K": 2, "R": 1, "TPF": 1.0, "TPS": 1.0}])
     assert rows[0]["r"] is None and rows[0]["verdict"] is None

@@ -101,11 +101,17 @@ def test_grading_and_per_request_scores():
     tok = CodeTokenizer.load(_bundled_tokenizer_folder())
     ref = tok.encode(e.answer)
     assert task.grade(e.prompt, e.answer, example=e)
-    assert task.score(e, e.answer, ref, ref) == {"next_line_exact": True, "token_accuracy": 1.0}
+    assert task.score(e, e.answer, ref, ref) == {"next_line_exact": True, "token_accuracy": 1.0,
+                                                 "answer_token_accuracy": 1.0}
     wrong = "\n" + e.final + "x"
     s = task.score(e, wrong, tok.encode(wrong), ref)
     assert not s["next_line_exact"] and 0.0 <= s["token_accuracy"] < 1.0
     assert task.score(e, "", [], ref)["token_accuracy"] == 0.0
+    # the whole answer (64 ids): the first block right and the second wrong gives 1.0 on the first block, 0.5 here
+    assert len(ref) >= 64
+    half = ref[:32] + [(t + 1) % 2048 for t in ref[32:64]]
+    h = task.score(e, "", half, ref)
+    assert h["token_accuracy"] == 1.0 and h["answer_token_accuracy"] == 0.5
     assert task.grade(e.prompt, e.answer) and not CodeTask(seed=1).examples("test", 1)[0] == e
     with pytest.raises(ValueError, match="example="):
         CodeTask().grade(e.prompt, e.answer)
@@ -121,7 +127,7 @@ def test_the_schedule_comparison_grader_scores_code_and_arithmetic():
     prompts, grader = prompts_and_grader(CodeTask(), adapter, exs)
     assert prompts == [adapter.encode(e.prompt) for e in exs]
     right = adapter.encode(exs[0].answer) + [adapter.eos_id] + adapter.encode("junk")
-    assert grader(prompts[0], right) == {"correct": True, "token_accuracy": 1.0}
+    assert grader(prompts[0], right) == {"correct": True, "token_accuracy": 1.0, "answer_token_accuracy": 1.0}
     g = grader(prompts[1], adapter.encode("x"))
     assert g["correct"] is False and 0.0 <= g["token_accuracy"] < 1.0
     arith = get_task("arith")
