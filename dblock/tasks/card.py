@@ -116,8 +116,8 @@ def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] =
         "eval_command": f"dblock eval --model {name} --task {cfg['task']} --n {n}",
         "eval": {k: result[k] for k in keys if k in result},
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}, torch {torch.__version__}",
-        "train_config": {k: cfg.get(k) for k in ("window", "batch_size", "lr", "fused_attention", "save_dtype")
-                         if k in cfg},
+        "train_config": {k: cfg.get(k) for k in ("window", "batch_size", "lr", "fused_attention", "save_dtype",
+                                                 "noisy_context") if k in cfg},
     }
     for i, st in enumerate(card["train_stages"][1:], 1):        # a later stage starts from the earlier one's folder
         st["command"] = re.sub(r"--init-from \S+", f"--init-from runs/{stage_names[i - 1]}", st["command"])
@@ -182,15 +182,31 @@ def _code_data_text(card: dict) -> str:
             f"the `tokenizers` library, vocabulary {card.get('vocab_size', '?')}, `<pad> <eos> <bos> <mask>` first "
             "(`tokenizer.json`; `transformers.AutoTokenizer` loads the folder). Training examples are windows of "
             f"{cfg.get('window', '?')} tokens starting at line starts of train files (files drawn by length; "
-            "`<eos>` after a file's end), every block noised and predicted from the clean blocks before it, the rows "
-            "of one block before a random prompt end kept clean (the block that holds a prompt's tail at decoding "
-            "time).\n\nEvaluation: the `code` task (`dblock/tasks/code.py`), held-out completion problems cut at a "
+            f"`<eos>` after a file's end), {_code_objective_text(card)}."
+            "\n\nEvaluation: the `code` task (`dblock/tasks/code.py`), held-out completion problems cut at a "
             "line end of a held-out file -- after a function's signature and docstring (`body`) or after the header "
             f"of a compound statement (`block`), the two kinds alternating -- with up to {CONTEXT_CHARS} characters "
             "of whole preceding lines as the prompt and the file's continuation as the reference. Metrics: the next "
             f"line exact (the task's accuracy), token accuracy over the first {TOKEN_N} generated tokens, and the "
-            "model's held-out loss per token (its masked-diffusion training loss on the reference continuation, an "
-            "upper bound on the NLL); 95% bootstrap CIs over problems")
+            "model's held-out loss per token (" + (
+                "its canvas cross-entropy on the reference continuation under uniform noise at a random level"
+                if card.get("family") == "diffusion_gemma" else
+                "its masked-diffusion training loss on the reference continuation, an upper bound on the NLL") +
+            "); 95% bootstrap CIs over problems")
+
+
+def _code_objective_text(card: dict) -> str:
+    """How a code model's windows are trained, by family (docs/models.md, "The bundled code models")."""
+    if card.get("family") == "diffusion_gemma":
+        p = card.get("train_config", {}).get("noisy_context")
+        noisy = (f"; with probability {p} an example's predecessor canvas is partly re-noised in the encoder input, "
+                 "so the next canvas learns to denoise behind a still-noisy block, the view of One Block Ahead's "
+                 "warm-up block" if p else "")
+        return ("each window cut at a prompt length P uniform in [1, 144] and trained as whole canvases after P: "
+                "every canvas token replaced by a uniform vocabulary draw with probability t ~ U(0, 1), the decoder "
+                "predicting the clean canvas from the encoder's clean prefix, with self-conditioning" + noisy)
+    return ("every block noised and predicted from the clean blocks before it, the rows of one block before a random "
+            "prompt end kept clean (the block that holds a prompt's tail at decoding time)")
 
 
 def _task_text(card: dict) -> str:
@@ -444,12 +460,17 @@ def _schedules_table(card: dict) -> str:
         if isinstance(v, (list, tuple)):
             return f"{fmt.format(v[0])}..{fmt.format(v[1])}"
         return fmt.format(v)
+    answer = any(r.get("answer_token_accuracy") is not None for r in sc["rows"])
     lines = ["| schedule | TPF | TPF vs Native (95% CI) | r | α (95% CI) | α − (r − 1) | next line exact | token accuracy "
-             "| Δ token accuracy vs Native (95% CI) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| Δ token accuracy vs Native (95% CI) |" + (" whole-answer token accuracy | Δ vs Native (95% CI) |"
+                                                         if answer else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if answer else "")]
     for r in sc["rows"]:
         lines.append(f"| {r['schedule']} | {f(r['TPF'])} | {f(r['TPF_ratio'])} ({f(r['TPF_ratio_ci'])}) | {f(r['r'])} "
                      f"| {f(r['alpha'])} ({f(r['alpha_ci'])}) | {f(r['margin'])} | {f(r['accuracy'], '{:.3f}')} "
-                     f"| {f(r['token_accuracy'], '{:.3f}')} | {f(r['token_accuracy_delta_ci'], '{:+.3f}')} |")
+                     f"| {f(r['token_accuracy'], '{:.3f}')} | {f(r.get('token_accuracy_delta_ci'), '{:+.3f}')} |" +
+                     (f" {f(r.get('answer_token_accuracy'), '{:.3f}')} | "
+                      f"{f(r.get('answer_token_accuracy_delta_ci'), '{:+.3f}')} |" if answer else ""))
     return f"""## Schedules (compare-schedules: the same problems and seeds for every schedule)
 
     {sc['command']}
@@ -459,5 +480,15 @@ def _schedules_table(card: dict) -> str:
 α: passes saved per warm-up step, fitted by Eq. 6 of docs/algorithms.md §6.1 on the counters (Eq. 5, which keeps the
 (−α)^K terms, where Eq. 6 has no root), with a paired
 bootstrap CI over requests; r: a schedule's pass over Native's on the same rows on this CPU (thread time).
-
+{_seeds_note(card)}
 """
+
+
+def _seeds_note(card: dict) -> str:
+    """Why the table's Native row and the evaluation above can differ on a sampling model: other noise draws."""
+    if card.get("family") != "diffusion_gemma":
+        return ""
+    return ("The table decodes problem i with seed i (compare-schedules' protocol), the evaluation above every "
+            "problem with seed 0: on this uniform-state model those are other noise draws, so the two Native results "
+            "can differ by more than the evaluation's CI, which resamples problems, not draws. Compare schedules "
+            "within the table, where every schedule decodes the same (problem, seed) requests.\n")

@@ -35,7 +35,8 @@ def run_command(cmd: str) -> dict:
 
 SCHEDULE_KEYS = ("schedule", "TPF", "TPF_ratio", "TPF_ratio_ci", "TPS_ratio", "r", "beta", "n", "alpha", "alpha_ci",
                  "margin", "verdict", "accuracy", "accuracy_ci", "accuracy_delta_ci", "token_accuracy",
-                 "token_accuracy_ci", "token_accuracy_delta_ci", "R")
+                 "token_accuracy_ci", "token_accuracy_delta_ci", "answer_token_accuracy", "answer_token_accuracy_ci",
+                 "answer_token_accuracy_delta_ci", "R")
 
 
 def schedules_summary(rows: list, command: str) -> dict:
@@ -126,8 +127,8 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
                                                    "--threshold-steps 0",
                                         **{k: alone[k] for k in ("TPF", "passes_per_block_mean", "metrics",
                                                                  "accuracy") if k in alone}}
-    with open(os.path.join(folder, "config.json")) as f:
-        card["vocab_size"] = json.load(f).get("vocab_size")
+    from dblock.config import load_config
+    card["vocab_size"] = load_config(folder).vocab_size     # DiffusionGemma keeps it in text_config
     sub = run_eval(f"dblock eval --model {folder} --task {task} --n {SUBSET_N}{dflag}")
     card["subset"] = {"command": f"dblock eval --model {name} --task {task} --n {SUBSET_N}", "n": SUBSET_N,
                       "accuracy": sub["accuracy"], "correct": [bool(q["correct"]) for q in sub["requests"]]}
