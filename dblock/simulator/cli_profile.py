@@ -87,8 +87,12 @@ def add_parsers(sub, common) -> None:
                     help="a smoke run: 16 problems, 2 repeats, batches 1,8,16, a quick profile when none exists")
     va.add_argument("--no-epoch", action="store_true", help="leave the Epoch executor out")
     va.add_argument("--no-alpha", action="store_true",
-                    help="leave out the α rows (OBA and FlowBlock on tiny-uniform, each predicted with δ calibrated "
-                         "on the other; about 2 min)")
+                    help="leave out the α rows (OBA and FlowBlock on --alpha-model, each predicted with δ calibrated "
+                         "on the other)")
+    va.add_argument("--alpha-only", action="store_true",
+                    help="only the α rows (no operator profile, no timing rows; about 5 min on code-uniform)")
+    va.add_argument("--alpha-model", default="code-uniform",
+                    help="the uniform-state (diffusion_gemma) model whose α rows are predicted (default code-uniform)")
     va.add_argument("--alpha-n", type=int_arg(8, 100_000), default=256,
                     help="requests per α run (default 256: the fitted α's own 95%% interval is about ±0.1 wide)")
 
@@ -232,10 +236,29 @@ def _validate(args) -> int:
     if args.profile and not os.path.isfile(args.profile):
         raise ValueError(f"--profile {args.profile}: no such file (write one with `dblock simulate profile`)")
     plan = validate.Plan(model=args.model, n=args.n, repeats=args.repeats, epoch=not args.no_epoch,
-                         alpha_model=None if args.no_alpha else "tiny-uniform", alpha_n=args.alpha_n)
+                         alpha_model=None if args.no_alpha else args.alpha_model, alpha_n=args.alpha_n)
+    if plan.alpha_model:                  # refused before any measurement: its runs come last
+        from dblock.config import load_config
+        from dblock.weights_path import resolve_model_path
+        fam = load_config(resolve_model_path(plan.alpha_model)).family
+        if fam != "diffusion_gemma":
+            raise ValueError(f"--alpha-model {plan.alpha_model}: a {fam} model; the α rows need a uniform-state "
+                             "(diffusion_gemma) model: on a masked model α = 0 by construction")
     if args.quick:
         plan.n, plan.repeats, plan.batches, plan.serve_requests = min(args.n, 16), min(args.repeats, 2), (1, 8, 16), 32
         plan.alpha_n = min(args.alpha_n, 32)
+    if args.alpha_only:
+        if args.no_alpha:
+            raise ValueError("--alpha-only with --no-alpha: give one of them")
+        import time
+        t0 = time.perf_counter()
+        rows = validate.alpha_rows(plan, progress=None if args.json else (lambda s: print(s, file=sys.stderr)))
+        rep = validate.Report(rows, dict(alpha_model=plan.alpha_model, alpha_n=plan.alpha_n,
+                                         alpha_batch=plan.alpha_batch, seed=plan.seed,
+                                         seconds=time.perf_counter() - t0))
+        _emit(args, rep.as_dict(), f"{plan.alpha_model}: α of each warm-up schedule predicted with δ calibrated on "
+                                   f"the other ({plan.alpha_n} held-out problems per run)\n" + rep.table())
+        return 0
     if os.path.isfile(path):
         prof = Profile.load(path)
         from dblock.simulator.fingerprint import code_fingerprint

@@ -15,7 +15,7 @@ profile, with an interval from the profile's repeat spread (quartiles).
 Rows: T_den (reference at batch 1, 8, 32; Epoch at 8, 32), TPS ratio between schedules (OBA, FlowBlock and
 Native without cache over Native; OBA on Epoch), TPS at batch 32 over batch 1 (batch composition alone), Epoch over
 dense TPS (batch 8, 32), serving throughput and P95 ITL (two rates). Error = (predicted − measured) / measured.
-And α of a held-out schedule on a uniform-state model (`alpha_rows`: OBA and FlowBlock on tiny-uniform, each
+And α of a held-out schedule on a uniform-state model (`alpha_rows`: OBA and FlowBlock on code-uniform, each
 predicted by the position model with δ calibrated on the other; error = predicted − measured).
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Plan:
     epoch: bool = True
     drift: bool = True                # re-time the profile's anchors and scale it by the machine's drift
     seed: int = 0
-    alpha_model: Optional[str] = "tiny-uniform"   # uniform-state model whose α is predicted (None: no α rows)
+    alpha_model: Optional[str] = "code-uniform"   # uniform-state model whose α is predicted (None: no α rows)
     alpha_n: int = 256                # problems per α run (the fitted α's 95% interval is ~±0.1 at 256)
     alpha_batch: int = 16
 

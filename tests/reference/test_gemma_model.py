@@ -371,7 +371,7 @@ def test_masked_rules_refused():
         generate(make_ours("tiny"), [[5, 6]], DecodeConfig(max_new_tokens=4))
 
 
-@pytest.mark.parametrize("name", ["tiny-uniform"])
+@pytest.mark.parametrize("name", ["tiny-uniform", "code-uniform"])
 def test_bundled_folders_run_unchanged_in_transformers_generate(name):
     """A bundled DiffusionGemma folder, as it is on disk: transformers' from_pretrained + generate run it (its
     config carries an integer image_token_id: transformers' generate fails on null) and give dblock's reference

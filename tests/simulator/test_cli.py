@@ -104,9 +104,23 @@ def test_profile_and_validate_errors(tmp_path, capsys):
         run(["simulate", "validate", "--profile", str(tmp_path / "missing.json")], capsys)
     with pytest.raises(ValueError, match="no such file"):
         run(["simulate", "predict", "--profile", str(tmp_path / "missing.json")], capsys)
+    # the α rows need a uniform-state model; refused before anything is measured or written
+    with pytest.raises(ValueError, match="--alpha-model tiny-masked: a llada2_moe model"):
+        run(["simulate", "validate", "--alpha-model", "tiny-masked"], capsys)
+    with pytest.raises(ValueError, match="--alpha-only with --no-alpha"):
+        run(["simulate", "validate", "--alpha-only", "--no-alpha"], capsys)
     with pytest.raises(ValueError, match="--executors"):
         run(["simulate", "profile", "--model", "tiny-masked", "--executors", "epoch", "--out",
              str(tmp_path / "x.json")], capsys)
+
+
+def test_validate_alpha_only_prints_the_two_alpha_rows(capsys):
+    """`simulate validate --alpha-only`: the α rows alone (no profile, no timing rows), OBA and FlowBlock held out."""
+    rc, out = run(["simulate", "validate", "--alpha-only", "--alpha-model", "tiny-uniform", "--alpha-n", "8",
+                   "--json"], capsys)
+    d = json.loads(out)
+    assert rc == 0 and [r["name"].split()[1] for r in d["rows"]] == ["flowblock", "oba"]
+    assert all(r["quantity"] == "α" for r in d["rows"]) and d["meta"]["alpha_n"] == 8
 
 
 def test_progress_bars_only_on_a_terminal_or_when_asked(monkeypatch):

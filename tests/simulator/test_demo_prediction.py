@@ -120,8 +120,11 @@ def test_the_oba_row_prints_the_gb300_verdict_beside_this_cpus(capsys):
                   True)
     for x in rows:
         x.update(accuracy=0.5, identical=1.0, TPF=1.0, TPS=10.0, passes_per_block=4.0)
+    rows[1]["token_accuracy"] = 0.25                  # a code row's second quality metric; '-' where the task has none
     demo._print(rows, ["tiny-uniform"], 3, 1.0)
     out = capsys.readouterr().out
+    table = {s.split()[2]: s.split() for s in out.splitlines() if s.startswith("m ")}
+    assert table["oba"][4] == "0.250" and table["native"][4] == "-"
     g = rows[1]["gb300"]
     line = next(s for s in out.splitlines() if "GB300" in s)
     assert f"{g['r']:.2f}" in line and f"{g['tps_ratio']:.2f}" in line and f"on this CPU: {rows[1]['verdict']}" in line

@@ -82,7 +82,7 @@ def test_alpha_rows_predict_each_schedule_from_the_other():
     against the α fitted on the held-out run's own counters; absolute errors, kept out of the median."""
     import dblock
     m = dblock.load("tiny-uniform")
-    plan = validate.Plan(alpha_n=12, alpha_batch=6, max_new_tokens=32)
+    plan = validate.Plan(alpha_model="tiny-uniform", alpha_n=12, alpha_batch=6, max_new_tokens=32)
     rows = validate.alpha_rows(plan, model=m)
     assert [r.name.split()[1] for r in rows] == ["flowblock", "oba"]
     for r, src in zip(rows, ("oba", "flowblock")):
