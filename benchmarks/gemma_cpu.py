@@ -102,6 +102,20 @@ def grade(task, tok, exs, tokens) -> int:
                     task.grade(e.prompt, answer_text(t, tok))) for e, t in zip(exs, tokens))
 
 
+def token_accuracy(task, tok, exs, tokens):
+    """The code task's whole-answer token accuracy (the first 64 generated ids against the file's, both blocks),
+    mean over requests; None on other tasks."""
+    if getattr(task, "style", None) != "code":
+        return None
+    from dblock.tasks import answer_text
+    tot = 0.0
+    for e, t in zip(exs, tokens):
+        cut = [int(i) for i in t]
+        cut = cut[:cut.index(tok.eos_id)] if tok.eos_id in cut else cut
+        tot += task.score(e, answer_text(t, tok), cut, tok.encode(e.answer))["answer_token_accuracy"]
+    return tot / len(exs)
+
+
 def hf_generate(hf, prompts, dec: DecodeConfig, pad: int):
     """transformers' generate over the batch, left-padded with an attention mask -> per request the generated ids
     (committed canvases, pad after EOS) and its decoder passes."""
@@ -190,6 +204,7 @@ def run_oba(model, prompts, exs, task, tok, dec, args) -> list:
             out.append({"schedule": sched, "config": c, "batch": B, "TPF": r0["Y"] / max(1, r0["F"]),
                         "TPS": r0["Y"] / cpu, "cpu_s": cpu, "F": r0["F"], "Y": r0["Y"],
                         "accuracy": grade(task, tok, ex, r0["tokens"]) / B if task is not None else None,
+                        "token_accuracy": token_accuracy(task, tok, ex, r0["tokens"]),
                         "tokens": r0["generated"]})
     ref = {o["schedule"]: o["tokens"] for o in out if o["config"] == "reference"}
     for o in out:
@@ -256,7 +271,9 @@ def _acc(a) -> str:
 
 def markdown(meta, rows, oba, ver, probe=None) -> str:
     L = [f"Command: `{meta['command']}` ({meta['minutes']:.1f} min). Machine: {meta['machine']}. Model "
-         f"`{meta['model']}`, task `{meta['task']}`, entropy-bound decoder, {meta['max_new_tokens']} new tokens, seed "
+         f"`{meta['model']}`, task `{meta['task']}`, entropy-bound decoder"
+         f"{' with the card decoding ' + json.dumps(meta['decoding']) if meta.get('decoding') else ''}, "
+         f"{meta['max_new_tokens']} new tokens, seed "
          f"{meta['seed']}, {meta['repeats']} interleaved repeats (medians), Atlas B = {meta['atlas_B']}.", "",
          "| batch | config | thread-CPU s | × transformers (CPU) | × transformers (wall) | denoising calls | "
          "ms per call | identical to reference | accuracy |", "|---|---|---|---|---|---|---|---|---|"]
@@ -272,11 +289,13 @@ def markdown(meta, rows, oba, ver, probe=None) -> str:
                      f"{_acc(x['accuracy'])} |")
     if oba:
         L += ["", f"One Block Ahead on the optimized executor (batch {oba[0]['batch']}):", "",
-              "| schedule | config | TPF | TPS (thread) | passes | identical to reference | accuracy |",
-              "|---|---|---|---|---|---|---|"]
+              "| schedule | config | TPF | TPS (thread) | passes | identical to reference | accuracy "
+              "| token accuracy (whole answer) |",
+              "|---|---|---|---|---|---|---|---|"]
         for o in oba:
             L.append(f"| {o['schedule']} | {o['config']} | {o['TPF']:.2f} | {o['TPS']:.0f} | {o['F']} | "
-                     f"{o['identical_to_reference']}/{o['batch']} | {_acc(o['accuracy'])} |")
+                     f"{o['identical_to_reference']}/{o['batch']} | {_acc(o['accuracy'])} | "
+                     f"{_acc(o.get('token_accuracy'))} |")
     if ver:
         L += ["", "`dblock verify` (teacher-forced shadow against the reference): " + "; ".join(
             f"{c}: decision agreement {100 * v['agreement']:.2f}% over {v['decisions']} decisions "
@@ -303,7 +322,8 @@ def main():
     ap.add_argument("--batches", default="1,8,32", help="batch sizes (default 1,8,32)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per batch size (medians)")
     ap.add_argument("--oba-repeats", type=int, default=1, help="repeats of each OBA row (thread clock median)")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="generation budget (default 128, the CLI's)")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="generation budget (default: the task's, e.g. 64 for code; else 128, the CLI's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--atlas-B", type=int, default=None, help="the epoch row's initial support (default E / 2)")
     ap.add_argument("--verify-n", type=int, default=16, help="requests of the verify rows (0: skip)")
@@ -338,7 +358,12 @@ def main():
             None, None
     else:
         prompts, exs, task, tok = workload(args.model, model, max(args.batches), args.task)
-    dec = DecodeConfig(rule="entropy-bound", seed=args.seed, max_new_tokens=args.max_new_tokens).validate()
+    if args.max_new_tokens is None:
+        args.max_new_tokens = getattr(task, "max_new_tokens", None) or 128
+    from dblock.tasks.card import decoding_of      # the card's decoding (code-uniform: N steps per block), as the CLI
+    card_dec = {} if args.random_size else decoding_of(model.source)
+    dec = DecodeConfig(rule="entropy-bound", seed=args.seed, max_new_tokens=args.max_new_tokens,
+                       **card_dec).validate()
     machine = (f"`{platform.platform()}`, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
                f"{__import__('transformers').__version__}, one torch thread")
     print(f"# benchmarks/gemma_cpu.py on {machine}", flush=True)
@@ -362,7 +387,7 @@ def main():
     for c, v in ver.items():
         print(f"verify {c}: agreement {v['agreement']:.4f} over {v['decisions']} decisions, exit {v['exit']}")
     meta = {"machine": machine, "model": args.model, "task": getattr(task, "name", "random prompts"),
-            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "repeats": args.repeats,
+            "max_new_tokens": args.max_new_tokens, "decoding": card_dec, "seed": args.seed, "repeats": args.repeats,
             "atlas_B": args.atlas_B, "minutes": (time.perf_counter() - t_start) / 60,
             "command": ".venv/bin/python benchmarks/gemma_cpu.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
     if args.json:
