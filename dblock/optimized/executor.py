@@ -33,7 +33,9 @@ equivalence suite: the suite's audit records and its deliberate faults subclass 
 
 Configurations (docs/algorithms.md §4.5): epoch (all on), full_compute (all experts, M_C = 1: exact), no_atlas,
 no_lsp, and dense (the reference executor itself). Faults fail closed: any cache doubt makes the layer fully fresh,
-an atlas failure makes the layer use all experts, both counted.
+an atlas failure makes the layer use all experts, both counted. With `EpochConfig.margin_refresh` = δ (off by
+default), a request whose pass was approximate and whose block decision radius at the Epoch logits is ≤ δ is re-run
+through a full_compute executor before its logits are returned (`_margin_gate`, docs/algorithms.md §4.7).
 
 Letter legend: B requests, L padded rows per request, T valid rows of the call, F fresh rows, E experts,
 K experts per token, H hidden, N rows of one block, P block plans of the call, C rows a plan wants served from the
