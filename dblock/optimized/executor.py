@@ -30,7 +30,8 @@ The stage seam (`dblock.optimized.stages.TorchStages`: route / experts / attend 
 where the Triton stack swaps in. The production executor carries no test instrumentation and does not import the
 equivalence suite's checks: the suite's audit records and its deliberate faults subclass these steps from outside
 (`dblock.equivalence.audit`, `dblock.equivalence.faults`); the margin gate borrows only the suite's pure margin
-functions (`dblock.equivalence.margins`, through `dblock.decoding.radius`), and only when it is on.
+functions (`dblock.equivalence.margins.row_stats`, and the per-block radii through `dblock.decoding.radius`),
+and only when it is on.
 
 Configurations (docs/algorithms.md §4.5): epoch (all on), full_compute (all experts, M_C = 1: exact), no_atlas,
 no_lsp, and dense (the reference executor itself). Faults fail closed: any cache doubt makes the layer fully fresh,
