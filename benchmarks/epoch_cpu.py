@@ -10,6 +10,9 @@ noise hits them alike:
     epoch          Expert Atlas + LSP cache (M_C = 5)
     no_atlas       LSP cache only
     no_lsp         Expert Atlas only (every row fresh: nothing to skip, so the cost rule picks the dense path)
+    epoch@δ        (on request, `--configs`) epoch with the margin-gated exact refresh of bound δ
+                   (`EpochConfig.margin_refresh`, docs/algorithms.md §4.7): its share of approximate request passes
+                   re-run exactly is reported beside it
 
 Per configuration: thread-CPU time per pass (`time.thread_time`, the primary clock: on a shared machine it is the
 work this thread did) and wall time per pass, TPS on both clocks, MoE share of the pass, the fresh-row fraction f
@@ -30,6 +33,7 @@ model instead).
     .venv/bin/python benchmarks/epoch_cpu.py --cells mini-scaled:fixed-k:32 --repeats 1 --max-new-tokens 32
     .venv/bin/python benchmarks/epoch_cpu.py --json epoch_cpu.json --write-benchmarks   # replace the section
     .venv/bin/python benchmarks/epoch_cpu.py --markdown                   # print the section instead
+    .venv/bin/python benchmarks/epoch_cpu.py --cells code-masked:threshold:32 --configs dense,full_compute,epoch,epoch@0.1
 
 Ratios are taken within one run on one machine. Never used by tests.
 """
@@ -171,15 +175,22 @@ class MoETimer:
             h.remove()
 
 
+def parse_config(config: str):
+    """`name` or `name@δ` (the margin-gated exact refresh of bound δ) -> (name, δ or None)."""
+    name, _, delta = config.partition("@")
+    return name, (float(delta) if delta else None)
+
+
 def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
     """Decode `prompts` with one configuration; per-pass clocks measured around the executor call only (reading the
-    executor's statistics happens outside them)."""
+    executor's statistics happens outside them; a gated configuration's exact re-runs are inside them)."""
     timer = None
     if config == "dense":
         fwd = reference_forward(model)
         timer = MoETimer(model)
     else:
-        fwd = epoch_forward(model, config, path=path, path_model=path_model)
+        name, delta = parse_config(config)
+        fwd = epoch_forward(model, name, path=path, path_model=path_model, margin_refresh=delta)
     orig = fwd.denoise
     acc = {"cpu": 0.0, "wall": 0.0, "calls": 0, "rows": 0, "n_fresh": 0.0, "computed": 0, "layer_rows": 0,
            "moe_cpu": 0.0, "moe_bytes": 0, "moe_bytes_sum": 0, "dense_calls": 0, "sys": 0.0, "minflt": 0}
@@ -232,7 +243,8 @@ def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
             "fresh_frac": acc["n_fresh"] / max(1, acc["rows"]), "computed_frac": acc["computed"] / acc["layer_rows"],
             "dense_calls": acc["dense_calls"] / n, "moe_bytes": acc["moe_bytes"],
             "moe_bytes_mean": acc["moe_bytes_sum"] / n, "tokens": res.tokens,
-            "paths": fwd.stats()["paths"] if timer is None else {}}
+            "paths": fwd.stats()["paths"] if timer is None else {},
+            "margin_refresh": fwd.stats().get("margin_refresh") if timer is None else None}
 
 
 def calibrate(model, prompts, dec, repeats: int) -> dict:
@@ -269,23 +281,42 @@ def parse_cells(s: str) -> list:
     return out
 
 
+def parse_configs(s: str) -> list:
+    out = []
+    for c in s.split(","):
+        c = c.strip()
+        try:
+            name, delta = parse_config(c)
+        except ValueError:
+            name, delta = None, None
+        if name not in CONFIGS or (delta is not None and (name in ("dense", "full_compute") or not delta >= 0)):
+            raise ConfigError(f"--configs {c!r}: give names among {', '.join(CONFIGS)}, or an approximate one with "
+                              "the margin-gated refresh's bound, e.g. epoch@0.1")
+        out.append(c)
+    if "dense" not in out:
+        raise ConfigError("--configs: dense must be among them (every ratio is to it)")
+    return out
+
+
 def run_cell(name, model, rule, batch, args) -> list:
+    configs = args.configs
     prompts, grading, dec = prompts_for(name, model, batch, rule, args.max_new_tokens)
     models = calibrate(model, prompts, dec, args.calibration_repeats) if args.path_model == "measured" else {}
     for cfg, pm in models.items():
         if cfg in ("epoch", "no_atlas"):
             print(f"  path model ({cfg}): m = {pm.moe_share:.3f}, o = {pm.overhead_share:.3f}, "
                   f"break-even f* = {pm.break_even:.3f}", flush=True)
-    cells = {c: [] for c in CONFIGS}
+    cells = {c: [] for c in configs}
     for _ in range(args.repeats):
-        for config in CONFIGS:            # interleaved, so machine noise hits every configuration alike
-            cells[config].append(run_config(config, model, prompts, dec, path_model=models.get(config)))
+        for config in configs:            # interleaved, so machine noise hits every configuration alike
+            cells[config].append(run_config(config, model, prompts, dec,
+                                            path_model=models.get(parse_config(config)[0])))
     med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
     dense = cells["dense"]
     d_cpu, d_moe, d_tps = med(dense, "cpu_per_pass"), med(dense, "moe_per_pass"), med(dense, "TPS")
     m = med(dense, "moe_share")
     rows = []
-    for config in CONFIGS:
+    for config in configs:
         runs = cells[config]
         r0 = runs[0]
         f = r0["fresh_frac"]
@@ -301,11 +332,16 @@ def run_cell(name, model, rule, batch, args) -> list:
                "repeats": len(runs)}
         row["speedup"] = row["TPS"] / d_tps
         row["moe_vs_fresh_dense"] = row["moe_ms_per_pass"] / (1e3 * f * d_moe) if d_moe and f else None
-        if config in EPOCH_LIKE:
+        if parse_config(config)[0] in EPOCH_LIKE:
             row["bound"] = 1.0 / ((1.0 - m) + m * f)
             row["fraction_of_bound"] = (d_cpu / med(runs, "cpu_per_pass")) / row["bound"]
         if config in models:
             row["path_model"] = models[config].as_dict()
+        g = r0.get("margin_refresh")
+        if g:
+            row["margin_refresh"] = g
+            row["refreshed_of_approx"] = g["refreshed"] / g["approx"] if g["approx"] else 0.0
+            row["refreshed_of_all"] = g["refreshed"] / g["requests"] if g["requests"] else 0.0
         if grading is not None:
             task, tok, exs = grading
             from dblock.tasks import answer_text
@@ -350,7 +386,9 @@ def print_rows(rows):
               f"{r['speedup']:>8.2f} {100 * r['moe_share']:>5.1f} {r['fresh_frac']:>6.2f} {r['dense_calls']:>11.2f} "
               f"{mv:>10} {b:>6} {fb:>5} {r['moe_buffer_bytes'] / 2 ** 20:>7.2f}/"
               f"{r['moe_buffer_bytes_mean'] / 2 ** 20:<7.2f} "
-              f"{r['identical']:>6.2f}" + (f"  next-line {r['next_line_exact']:.3f} token-acc {r['token_accuracy']:.3f} "
+              f"{r['identical']:>6.2f}" + (f"  refreshed {r['refreshed_of_approx']:.2f} of approximate request "
+                                           f"passes ({r['refreshed_of_all']:.2f} of all)" if "margin_refresh" in r
+                                           else "") + (f"  next-line {r['next_line_exact']:.3f} token-acc {r['token_accuracy']:.3f} "
                                          f"(delta CI {r['token_accuracy_delta_ci'][0]:+.3f}..."
                                          f"{r['token_accuracy_delta_ci'][1]:+.3f})" if "token_accuracy" in r else ""),
               flush=True)
@@ -414,6 +452,12 @@ def markdown(rows, meta) -> str:
                                                     for r in sub if r["batch"] == b)
                          for b in sorted({r["batch"] for r in sub}))
         out.append(f"System time and minor page faults per pass (inside the CPU ms above): {sysl}.")
+        gated = [r for r in sub if "margin_refresh" in r]
+        if gated:
+            out.append("Margin-gated exact refresh (request passes re-run through full_compute, of the approximate "
+                       "ones and of all): " + "; ".join(
+                           f"batch {r['batch']} {r['config']} {100 * r['refreshed_of_approx']:.0f}% / "
+                           f"{100 * r['refreshed_of_all']:.0f}%" for r in gated) + ".")
         if pms:
             out.append(f"Measured path profiles at batch {big}: " + "; ".join(
                 f"{c}: m = {p['moe_share']:.3f}, o = {p['overhead_share']:.3f}, f* = {p['break_even']:.3f}"
@@ -452,6 +496,9 @@ def main():
     ap.add_argument("--path-model", choices=["measured", "cost"], default="measured",
                     help="measured: the cell's own per-machine profile; cost: the roofline cost model (default "
                          "hardware of EpochConfig)")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"configurations, interleaved in this order (default {','.join(CONFIGS)}); name@δ runs an "
+                         "approximate one with the margin-gated exact refresh of bound δ, e.g. epoch@0.1")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="override the cells' token budgets (smoke runs)")
     ap.add_argument("--allocator", choices=["steady", "default"], default="steady",
                     help="steady: keep freed memory in the process (glibc mallopt), so that page faults do not "
@@ -471,6 +518,7 @@ def main():
             raise ConfigError(f"--repeats {args.repeats} / --calibration-repeats {args.calibration_repeats}: "
                               "must be >= 1")
         cells = parse_cells(args.cells)
+        args.configs = parse_configs(args.configs)
     except ConfigError as e:
         raise SystemExit(f"epoch_cpu.py: error: {e}") from None
     torch.set_num_threads(1)

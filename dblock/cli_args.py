@@ -120,6 +120,17 @@ def float_arg(lo: float, hi: float | None = None, lo_open: bool = False, hi_open
     return parse
 
 
+def bound_arg(s):
+    """argparse `type`: a bound >= 0, or inf."""
+    try:
+        v = float(str(s).strip())
+    except ValueError:
+        raise ValueRefused(s, "not a number: give a number >= 0, or inf") from None
+    if math.isnan(v) or v < 0:
+        raise ValueRefused(s, "out of range: give a number >= 0, or inf")
+    return v
+
+
 seed_arg = int_arg(0, MAX_SEED, "2**63-1")
 seed_arg.__doc__ = "argparse `type`: a seed in [0, 2**63-1]."
 
@@ -347,6 +358,12 @@ def add_executor_args(p):
                    help="Expert Atlas score weight beta >= 0 (default 1)")
     g.add_argument("--atlas-c", type=int_arg(0, MAX_STEPS), default=None,
                    help="Expert Atlas experts added per repair round (default K)")
+    g.add_argument("--margin-refresh", type=bound_arg, default=None, metavar="DELTA",
+                   help="epoch executor: margin-gated exact refresh (docs/algorithms.md §4.7): a request whose pass "
+                        "served a cached row or routed within a restricted support is recomputed exactly "
+                        "(full_compute) when its block's decision radius at the Epoch logits is <= DELTA, a bound "
+                        "on the logit error of an approximate pass (0 never, inf always; default off). Not the "
+                        "LSP period --refresh")
     g.add_argument("--use-triton", action="store_true",
                    help="run the epoch executor's Triton kernels (interpreter on a machine without a GPU)")
     g.add_argument("--epoch-path", default=None, choices=["auto", "epoch", "dense"],

@@ -45,6 +45,9 @@ class Segment:
     role: str = "current"           # "current" | "warmup" | "inflight" | "prefix" (for traces and plans)
     sc_logits: Optional[torch.Tensor] = None  # (L, V) self-conditioning input (uniform-state models); None = zeros
     sc_enabled: bool = True         # False: run without self-conditioning (OBA "no_signal" ablation)
+    decision: Any = None            # what the block's step decides from these logits (`dblock.decoding.radius.
+                                    # DecisionSpec`, set by the schedule): an executor may gate on its decision
+                                    # radius (Epoch's margin-gated refresh); None = unknown
 
     def __post_init__(self):
         L = self.tokens.shape[0]

@@ -82,7 +82,8 @@ def make_forward(model, args):
                          atlas_q=args.atlas_q, update_every=args.update_every, use_triton=args.use_triton,
                          dispatcher=dispatcher, atlas_m=args.atlas_m, atlas_B=args.atlas_B,
                          atlas_beta=args.atlas_beta, atlas_c=args.atlas_c, path=args.epoch_path,
-                         path_model=_path_model(args.path_profile))
+                         path_model=_path_model(args.path_profile),
+                         margin_refresh=getattr(args, "margin_refresh", None))
 
 
 def _path_model(path):

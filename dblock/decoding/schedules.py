@@ -175,6 +175,12 @@ class MaskedRule:
                     inclusive=d.threshold_inclusive, quota_steps=d.threshold_steps, mask_policy=d.mask_policy,
                     sampling=self.sampling, banned=self.banned)
 
+    def decision_spec(self, st: MaskedBlock, warmup: bool, accept: bool = True):
+        """What `step(st, logits, ...)` will decide from the logits of this pass, as data an executor can gate on
+        (`dblock.decoding.radius`, docs/algorithms.md §4.7)."""
+        from dblock.decoding.radius import masked_spec
+        return masked_spec(self, st, warmup, accept)
+
     def done(self, st: MaskedBlock) -> bool:
         return st.done
 
@@ -358,9 +364,11 @@ class RequestRun:
             role = "current" if i == 0 else ("warmup" if self.spec.gate is None else "inflight")
             warm = i > 0
             sc_on = not (warm and not self.spec.warmup_signal)
+            spec_of = getattr(self.rule, "decision_spec", None)
+            decision = spec_of(f.state, warm, self.warmup_accept or not warm) if spec_of is not None else None
             segs.append(Segment(block=f.index, tokens=tokens, positions=torch.arange(f.start, f.start + self.C),
                                 live=live, decoded=decoded, role=role, sc_logits=sc if sc_on else None,
-                                sc_enabled=sc_on))
+                                sc_enabled=sc_on, decision=decision))
         vis = torch.ones(len(segs), len(segs), dtype=torch.bool) if self.spec.dense_mask else block_causal(len(segs))
         if self.layout == "fullseq":
             return self._fullseq_input(segs[0])
@@ -387,7 +395,7 @@ class RequestRun:
         decoded[: self.committed.numel()] = True
         decoded[s:s + self.C] = cur.decoded
         seg = Segment(block=cur.block, tokens=tokens, positions=torch.arange(total), live=live, decoded=decoded,
-                      role="current")
+                      role="current", decision=cur.decision)
         return StepInput(self.req.id, [seg], torch.ones(1, 1, dtype=torch.bool), None,
                          pass_index=self.inflight[0].passes_current, meta={"schedule": self.spec.name})
 

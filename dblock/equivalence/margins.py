@@ -121,9 +121,23 @@ def threshold_margin(logits: torch.Tensor, mask_id: Optional[int], tau: float = 
       |C| = 0 (fallback w) row w min(a, c*), the others min(s*, c*) — w rising above τ changes nothing
       n = 1                a (the one row always commits)
     """
-    z = masked64(logits, mask_id)
-    n = z.shape[0]
-    tok, gap, logp, logit = _conf(z)
+    return threshold_margin_rows(*_conf(masked64(logits, mask_id)), tau=tau, commit_all=commit_all,
+                                 inclusive=inclusive, quota=quota)
+
+
+def row_stats(z: torch.Tensor):
+    """Decision logits (n, V) with the MASK column (and any banned id) at -inf, in any float dtype -> the per-row
+    quantities every margin of this module is made of: (tokens, z₁ − z₂ gap, log p₁, logit p₁), each (n,), in z's
+    dtype. `threshold_margin_rows` / `fixed_k_margin_rows` turn them into a block's margins; the Epoch executor's
+    margin-gated refresh computes them for a whole call at once (docs/algorithms.md §4.7)."""
+    return _conf(z)
+
+
+def threshold_margin_rows(tok, gap, logp, logit, tau: float = 0.95, commit_all: bool = False,
+                          inclusive: bool = False, quota: Optional[int] = None) -> Margin:
+    """`threshold_margin` from the row quantities of `row_stats` (cast to fp64 here)."""
+    gap, logp, logit = gap.double(), logp.double(), logit.double()
+    n = gap.shape[0]
     a = gap / 2
     if commit_all:
         inf = torch.full((n,), math.inf, dtype=torch.float64)
@@ -197,9 +211,13 @@ def _quota_margin(clears, tok, a, s, s_exact, logp, logit, k: int) -> Margin:
 
 def fixed_k_margin(logits: torch.Tensor, mask_id: Optional[int], k: int) -> Margin:
     """Margins under the fixed-k rule: the k most confident rows commit (stable order, ties -> lower row)."""
-    z = masked64(logits, mask_id)
-    n = z.shape[0]
-    tok, gap, logp, logit = _conf(z)
+    return fixed_k_margin_rows(*_conf(masked64(logits, mask_id)), k=k)
+
+
+def fixed_k_margin_rows(tok, gap, logp, logit, k: int) -> Margin:
+    """`fixed_k_margin` from the row quantities of `row_stats` (cast to fp64 here)."""
+    gap, logp, logit = gap.double(), logp.double(), logit.double()
+    n = gap.shape[0]
     a = gap / 2
     k = min(max(k, 0), n)
     order = torch.sort(logp, descending=True, stable=True).indices

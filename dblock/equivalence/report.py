@@ -127,6 +127,8 @@ def shadow_section(shadow, executor=None) -> dict:
     }
     if executor is not None and hasattr(executor, "stats"):
         sec["executor_stats"] = executor.stats()
+        if sec["executor_stats"].get("margin_refresh"):
+            sec["margin_refresh"] = sec["executor_stats"]["margin_refresh"]
     return sec
 
 
@@ -253,6 +255,12 @@ def format_section(sec: dict, title: str, limit: int = 20) -> list:
         L.append(f"  layer {ly['layer']}: {ly['routed_all']:.4g} / {ly['routed_cached']:.4g} / "
                  f"{ly['routed_fresh']:.4g} / {ly['routed_live']:.4g}   ({ly['cached_rows']} of {ly['rows']} row "
                  "reads from the cache)")
+    g = sec.get("margin_refresh")
+    if g:
+        L.append(f"margin-gated exact refresh (δ = {g['bound']:g}): {g['refreshed']} of {g['approx']} approximate "
+                 f"request passes re-run exactly ({_pct(g['refreshed'] / g['approx'] if g['approx'] else None)}; "
+                 f"{g['requests']} request passes in all, {g['rows_refreshed']} rows recomputed, "
+                 f"{g['calls_refreshed']} of {g['passes']} calls with a re-run)")
     c = sec["cache"]
     L.append(f"cache ages at read (M_C = {c['M_C']}): " + (" ".join(f"{k}:{v}" for k, v in c["age_hist"].items())
                                                           or "no reads") + f"   max age {c['max_age']}")

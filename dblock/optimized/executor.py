@@ -28,12 +28,16 @@ Statistics cost no host synchronisation in the hot path: per-layer records keep 
 
 The stage seam (`dblock.optimized.stages.TorchStages`: route / experts / attend / lm_head / compact / scatter) is
 where the Triton stack swaps in. The production executor carries no test instrumentation and does not import the
-equivalence suite: the suite's audit records and its deliberate faults subclass these steps from outside
-(`dblock.equivalence.audit`, `dblock.equivalence.faults`).
+equivalence suite's checks: the suite's audit records and its deliberate faults subclass these steps from outside
+(`dblock.equivalence.audit`, `dblock.equivalence.faults`); the margin gate borrows only the suite's pure margin
+functions (`dblock.equivalence.margins.row_stats`, and the per-block radii through `dblock.decoding.radius`),
+and only when it is on.
 
 Configurations (docs/algorithms.md §4.5): epoch (all on), full_compute (all experts, M_C = 1: exact), no_atlas,
 no_lsp, and dense (the reference executor itself). Faults fail closed: any cache doubt makes the layer fully fresh,
-an atlas failure makes the layer use all experts, both counted.
+an atlas failure makes the layer use all experts, both counted. With `EpochConfig.margin_refresh` = δ (off by
+default), a request whose pass was approximate and whose block decision radius at the Epoch logits is ≤ δ is re-run
+through a full_compute executor before its logits are returned (`_margin_gate`, docs/algorithms.md §4.7).
 
 Letter legend: B requests, L padded rows per request, T valid rows of the call, F fresh rows, E experts,
 K experts per token, H hidden, N rows of one block, P block plans of the call, C rows a plan wants served from the
@@ -42,6 +46,7 @@ cache (candidates), S rows served from the cache, G rows of the blocks building 
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from typing import Any
@@ -56,6 +61,10 @@ from dblock.optimized.plan import BlockPlan, EpochConfig, PathModel
 from dblock.optimized.rows import Rows, _PlanRows
 from dblock.optimized.stages import TorchStages
 from dblock.reference.executor import KVCache, LladaReference, build_layout, stack_past
+
+#: the margin gate's counters (`stats()["margin_refresh"]`): denoising calls, requests in them, requests whose pass
+#: was approximate, those the gate computed a radius for, requests re-run exactly, their rows, calls with a re-run
+GATE_COUNTERS = ("passes", "requests", "approx", "gated", "refreshed", "rows_refreshed", "calls_refreshed")
 
 
 class EpochExecutor(MoeSteps, Forward):
@@ -81,6 +90,8 @@ class EpochExecutor(MoeSteps, Forward):
         self._last: Any = {}                     # the last pass's statistics (built when first read)
         self._pass = 0                           # denoising calls so far
         self._path_models: dict = {}             # block rows -> PathModel from the cost model (nominal batch)
+        self.gate = Counter()                    # the margin-gated exact refresh (`_margin_gate`), when on
+        self._exact = None                       # its full_compute executor (made on the first refresh)
         self.stages = self._make_stages()
 
     def _make_reference(self, model) -> Forward:
@@ -111,10 +122,14 @@ class EpochExecutor(MoeSteps, Forward):
 
     def end_block(self, request, block) -> None:
         self._drop(self.plans.pop((request, block), None))
+        if self._exact is not None:
+            self._exact.end_block(request, block)
 
     def end_request(self, request) -> None:
         for key in [k for k in self.plans if k[0] == request]:
             self._drop(self.plans.pop(key))
+        if self._exact is not None:
+            self._exact.end_request(request)
 
     def _drop(self, plan) -> None:
         if plan is not None and plan.base is not None and self.arena is not None:
@@ -136,9 +151,12 @@ class EpochExecutor(MoeSteps, Forward):
         return self._age_hist
 
     def stats(self) -> dict:
-        return {"paths": dict(self.totals), "pass_paths": dict(self.pass_paths),
-                "cache_age_hist": dict(sorted(self.age_hist.items())), "open_plans": len(self.plans),
-                "atlas_hot": dict(self.atlas_hot)}
+        out = {"paths": dict(self.totals), "pass_paths": dict(self.pass_paths),
+               "cache_age_hist": dict(sorted(self.age_hist.items())), "open_plans": len(self.plans),
+               "atlas_hot": dict(self.atlas_hot)}
+        if self.ecfg.margin_refresh is not None:
+            out["margin_refresh"] = {"bound": self.ecfg.margin_refresh, **{k: self.gate[k] for k in GATE_COUNTERS}}
+        return out
 
     def last_pass_stats(self) -> dict:
         if callable(self._last):
@@ -193,6 +211,7 @@ class EpochExecutor(MoeSteps, Forward):
             starts.append(t)
             t += n
         fresh_P = [int(f.sum()) for f in pp.fresh.split(lens)] if P > 1 else [int(pp.fresh.sum())]
+        approx = torch.zeros(P, dtype=torch.bool) if self.ecfg.margin_refresh is not None else None
         dense_P = [self._block_dense(n, f) for n, f in zip(lens, fresh_P)]
         per_plan = torch.tensor([[s0, f0, pl.base, pl.passes, pl.version, pl.path == "hot"]
                                  for s0, f0, pl in zip(starts, flat0, plans)], dtype=torch.long)   # (P, 6)
@@ -207,7 +226,7 @@ class EpochExecutor(MoeSteps, Forward):
                     hot=g_T6[:, 5].bool(), stamp=torch.stack([passes_T, token_T, version_T], 1),
                     padded=T != len(items) * L, batch=len(items), n_fresh=sum(fresh_P),
                     dense=torch.tensor(dense_P, dtype=torch.bool)[plan_T], dense_P=dense_P,
-                    path="dense" if dense_P and all(dense_P) else "epoch")
+                    path="dense" if dense_P and all(dense_P) else "epoch", approx=approx)
 
     def _path_model(self, n: int) -> PathModel:
         """The configuration's measured `path_model`, else the cost model's for a block of n rows at the nominal
@@ -282,10 +301,80 @@ class EpochExecutor(MoeSteps, Forward):
             out.append(per_seg)
         for plan in R.plans:
             plan.passes += 1
-        self._end_pass(R, t0, c0, moe_s, moe_cpu_s)
+        refreshed = self._margin_gate(items, out, R) if R.approx is not None else 0
+        self._end_pass(R, t0, c0, moe_s, moe_cpu_s, refreshed)
         return out
 
-    def _end_pass(self, R: Rows, t0: float, c0: float, moe_s: float, moe_cpu_s: float) -> None:
+    # ---- the margin-gated exact refresh (docs/algorithms.md §4.7) ------------------------------------------
+    def _margin_gate(self, items: list[StepInput], out: list, R: Rows) -> int:
+        """Recompute exactly the requests whose decision this pass is not safely inside what the approximation can
+        have moved their logits by; `out` is updated in place -> the number of requests refreshed.
+
+        A request is *approximate* when one of its blocks served a cached row or routed within a restricted support
+        at some layer (`_note_approx`); the others computed what full_compute computes and are kept. For an
+        approximate request, each segment with live rows gets its decision radius r at the Epoch logits under its
+        own rule (`Segment.decision`, `dblock.decoding.radius.block_radius`: min Γ* over its live rows; 0 when the
+        rule has no closed-form margin or the segment returned the wrong number of rows; ∞ when it decides
+        nothing). With δ = `EpochConfig.margin_refresh`, a bound on ‖ẑ − z‖∞ over the live rows of an approximate
+        pass: keep ẑ when every segment has r > δ (then the exact logits z take the same decision), else re-run
+        the request's whole call through the full_compute executor (every row fresh, every expert eligible: the
+        reference's logits) and return those. δ = 0 never refreshes; δ = ∞ refreshes every approximate request."""
+        from dblock.decoding.radius import block_radius, decision_rows
+        from dblock.equivalence.margins import row_stats
+        delta = self.ecfg.margin_refresh
+        g = self.gate
+        approx_P = R.approx.tolist()
+        approx_B, p = [], 0
+        for it in items:
+            n = len(it.segments)
+            approx_B.append(any(approx_P[p:p + n]))
+            p += n
+        g["requests"] += len(items)
+        g["approx"] += sum(approx_B)
+        g["passes"] += 1
+        if delta <= 0 or not any(approx_B):
+            return 0
+        mask_id = getattr(self.config, "mask_token_id", None)
+        segs, zs = [], []
+        radius_B = {b: math.inf for b in range(len(items)) if approx_B[b]}
+        for b in radius_B:
+            for si, s in enumerate(items[b].segments):
+                n_live = int(s.live.sum())
+                if n_live == 0:
+                    continue
+                z = out[b][si]
+                if z.shape[0] != n_live:                 # the protocol broken: fail closed
+                    radius_B[b] = 0.0
+                    continue
+                segs.append((b, s, n_live))
+                zs.append(decision_rows(z, mask_id, s.decision))
+        if zs and not math.isinf(delta):
+            stats = row_stats(torch.cat(zs))
+            parts = [t.split([n for _, _, n in segs]) for t in stats]
+            for j, (b, s, _) in enumerate(segs):
+                radius_B[b] = min(radius_B[b], block_radius(s.decision, tuple(t[j] for t in parts)))
+        refresh = [b for b, r in radius_B.items() if r <= delta]
+        g["gated"] += len(radius_B)
+        if not refresh:
+            return 0
+        exact = self._exact_executor()
+        for b, z in zip(refresh, exact.denoise([items[b] for b in refresh])):
+            out[b] = z
+        g["refreshed"] += len(refresh)
+        g["rows_refreshed"] += sum(len(s) for b in refresh for s in items[b].segments)
+        g["calls_refreshed"] += 1
+        return len(refresh)
+
+    def _exact_executor(self) -> "EpochExecutor":
+        """The full_compute executor the margin gate re-runs requests through: the plain class (never an audited
+        or faulted subclass), every block on the dense path, the per-expert loop — the reference's logits."""
+        if self._exact is None:
+            cfg = EpochConfig.named("full_compute", path="dense")
+            cfg.use_triton = self.ecfg.use_triton
+            self._exact = EpochExecutor(self.model, cfg)
+        return self._exact
+
+    def _end_pass(self, R: Rows, t0: float, c0: float, moe_s: float, moe_cpu_s: float, refreshed: int = 0) -> None:
         """The executor's running totals now; the pass's statistics (`last_pass_stats`) when first read."""
         recs, comm = self._layer_recs, self._comm
         for rec in recs:
@@ -301,7 +390,7 @@ class EpochExecutor(MoeSteps, Forward):
             n_moe = max(1, len(layers))
             bufs = [moe_buffer_bytes(s["fresh"], s["pairs"], cfg.hidden_size, cfg.moe_intermediate_size, elem,
                                      max(4, elem)) for s in layers]
-            return {**timing, "path": R.path, "fresh_frac": R.n_fresh / max(1, R.T),
+            return {**timing, "path": R.path, "fresh_frac": R.n_fresh / max(1, R.T), "refreshed": refreshed,
                     "dense_blocks": sum(R.dense_P), "blocks": len(R.dense_P),
                     "fresh": sum(s["fresh"] for s in layers) / n_moe, "moe_buffer_bytes": max(bufs, default=0),
                     "layers": layers,
@@ -314,12 +403,13 @@ class EpochExecutor(MoeSteps, Forward):
 
 def epoch_config(config: str = "epoch", refresh=None, atlas_alpha=None, atlas_q=None, update_every=None,
                  use_triton: bool = False, atlas_m=None, atlas_B=None, atlas_beta=None,
-                 atlas_c=None, path=None, path_model=None, atlas_repair=None) -> EpochConfig:
+                 atlas_c=None, path=None, path_model=None, atlas_repair=None, margin_refresh=None) -> EpochConfig:
     """The EpochConfig of a named configuration with the command line's knobs (None = default, see `AtlasParams`;
     `path`: auto | epoch | dense, `path_model`: a measured `PathModel` for auto; `atlas_repair`: the hot repair of
-    `_repair_supports`, on by default)."""
+    `_repair_supports`, on by default; `margin_refresh`: δ of the margin-gated exact refresh, None = off)."""
     cfg = EpochConfig.named(config, refresh=refresh, alpha=atlas_alpha, q=atlas_q, update_every=update_every,
-                            m=atlas_m, B=atlas_B, beta=atlas_beta, c=atlas_c, path=path, path_model=path_model)
+                            m=atlas_m, B=atlas_B, beta=atlas_beta, c=atlas_c, path=path, path_model=path_model,
+                            margin_refresh=margin_refresh)
     cfg.use_triton = use_triton
     if atlas_repair is not None:
         cfg.atlas_repair = bool(atlas_repair)
@@ -328,13 +418,14 @@ def epoch_config(config: str = "epoch", refresh=None, atlas_alpha=None, atlas_q=
 
 def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, atlas_q=None, update_every=None,
                   use_triton: bool = False, dispatcher=None, atlas_m=None, atlas_B=None, atlas_beta=None,
-                  atlas_c=None, path=None, path_model=None, atlas_repair=None) -> Forward:
+                  atlas_c=None, path=None, path_model=None, atlas_repair=None, margin_refresh=None) -> Forward:
     """The optimized executor in one of its configurations over `model`'s weights (`dense` = the reference).
 
     Atlas knobs (None = default, see `AtlasParams`): alpha coverage floor, q covered-token quota, m extra
     candidates, B initial support size, beta mixing weight, c experts added per repair round, update_every.
     Pass path (docs/algorithms.md §4.1): `path` auto (default: the cost rule of `PathModel`), epoch or dense;
-    `path_model` a measured `PathModel` (else the cost model's).
+    `path_model` a measured `PathModel` (else the cost model's). `margin_refresh` δ: the margin-gated exact refresh
+    (docs/algorithms.md §4.7), None = off.
     The equivalence suite's audited executor, with or without deliberate faults, takes the same knobs:
     `dblock.equivalence.audit.audited_epoch_forward`."""
     if config == "dense":
@@ -344,7 +435,8 @@ def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, 
         return reference_forward(model)
     cfg = epoch_config(config, refresh=refresh, atlas_alpha=atlas_alpha, atlas_q=atlas_q, update_every=update_every,
                        use_triton=use_triton, atlas_m=atlas_m, atlas_B=atlas_B, atlas_beta=atlas_beta,
-                       atlas_c=atlas_c, path=path, path_model=path_model, atlas_repair=atlas_repair)
+                       atlas_c=atlas_c, path=path, path_model=path_model, atlas_repair=atlas_repair,
+                       margin_refresh=margin_refresh)
     return epoch_class(model)(model, cfg, dispatcher=dispatcher)
 
 

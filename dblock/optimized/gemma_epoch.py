@@ -96,6 +96,9 @@ class GemmaEpochExecutor(EpochExecutor):
 
     def __init__(self, model, cfg: EpochConfig | None = None, dispatcher=None):
         cfg = cfg or EpochConfig()
+        if cfg.margin_refresh is not None:
+            raise ValueError("margin_refresh: the margin-gated exact refresh needs a closed-form decision margin "
+                             f"(masked diffusion); {', '.join(self.families)} decides by the entropy-bound rule")
         self.lsp_requested = cfg.lsp
         super().__init__(model, replace(cfg, lsp=False), dispatcher=dispatcher)
         self.moes = [GemmaMoe(layer) for layer in model.layers]

@@ -76,6 +76,7 @@ class MoeSteps:
         self._add_shared(c)
         self._scatter(c)
         self._serve_cached(c)
+        self._note_approx(c)
         self._write_cache(c)
         return self._layer_output(c)
 
@@ -367,6 +368,20 @@ class MoeSteps:
             dev = c.y_TH.device
             c.y_TH.index_copy_(0, c.idx_S.to(dev), self.arena.values[c.li].index_select(0, c.R.slot[c.idx_S].to(dev)))
             self._ages.append(c.age_S)
+
+    def _note_approx(self, c: LayerCall) -> None:
+        """With the margin gate on (`EpochConfig.margin_refresh`): mark the blocks whose MoE output at this layer is
+        not the exact one — a row served from the cache, or fresh rows routed within a restricted support (a dense
+        or building block routes with every expert). A block never marked at any layer computed what full_compute
+        computes: its logits need no refresh (docs/algorithms.md §4.7)."""
+        R = c.R
+        if R.approx is None or c.dense:
+            return
+        if c.idx_S.numel():
+            R.approx |= torch.bincount(R.plan[c.idx_S], minlength=len(R.plans)) > 0
+        for p, plan in enumerate(R.plans):
+            if not R.approx[p] and self._routing_support(c.li, plan) is not None and not self.routes_plain(c, p):
+                R.approx[p] = True
 
     def _rows_to_write(self, c: LayerCall) -> torch.Tensor:
         """(T,) bool: fresh decoded rows (live rows are never cached: they feed a decision every pass)."""

@@ -118,11 +118,19 @@ class EpochConfig:
     grouped_mm: bool = False         # routed experts through F.grouped_mm: faster on large shapes, may differ from
                                      # the reference (and from the dense path) in the last bit; off: the per-expert
                                      # loop, the reference's arithmetic on every path (batch invariant)
+    margin_refresh: Optional[float] = None   # δ of the margin-gated exact refresh (docs/algorithms.md §4.7): a
+                                     # request whose pass was approximate is recomputed exactly (full_compute) when
+                                     # its blocks' decision radius at the Epoch logits is <= δ; None: off;
+                                     # 0: never (the gate only counts); inf: every approximate pass
 
     @classmethod
     def named(cls, name: str, refresh: Optional[int] = None, path: Optional[str] = None,
-              path_model: Optional[PathModel] = None, **atlas_kw) -> "EpochConfig":
+              path_model: Optional[PathModel] = None, margin_refresh: Optional[float] = None,
+              **atlas_kw) -> "EpochConfig":
         path = "auto" if path is None else path
+        if margin_refresh is not None and not float(margin_refresh) >= 0.0:
+            raise ValueError(f"margin_refresh={margin_refresh}: the logit bound δ must be >= 0 (inf: refresh every "
+                             "approximate pass), or None for off")
         if path not in PASS_PATHS:
             raise ValueError(f"path={path!r}: allowed {', '.join(PASS_PATHS)}")
         atlas_kw = {k: v for k, v in atlas_kw.items() if v is not None}
@@ -148,7 +156,8 @@ class EpochConfig:
         }
         if name not in table:
             raise ValueError(f"epoch config {name!r}: allowed {', '.join(CONFIGS)}")
-        return cls(name=name, atlas_params=ap, path=path, path_model=path_model, **table[name])
+        return cls(name=name, atlas_params=ap, path=path, path_model=path_model,
+                   margin_refresh=None if margin_refresh is None else float(margin_refresh), **table[name])
 
 
 @dataclass

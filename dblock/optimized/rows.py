@@ -53,6 +53,8 @@ class Rows:
     path: str = "epoch"         # the call's path: dense when every block took it, else epoch (`_pass_path`)
     dense: Optional[torch.Tensor] = None   # (T,) bool: rows of blocks on the dense path this pass (`_block_dense`)
     dense_P: list = field(default_factory=list)   # per plan: its block takes the dense path this pass
+    approx: Optional[torch.Tensor] = None  # (P,) bool, with the margin gate on: the plan's pass served a cached row
+                                           # or routed within a restricted support at some layer (`_note_approx`)
 
     @property
     def T(self) -> int:
