@@ -4,7 +4,10 @@
    profile of the model as the hardware, one replica; the batch cap and executor (reference = dense, epoch) that hold
    P95 ITL <= --slo-itl and P95 TTFT <= --slo-ttft at the highest Poisson rate. The workload is the model's own Native
    decode of its task (`dblock compare-schedules --schedules native --trace-dir`, made here when --native-trace is
-   not given): every request's prompt length and block chain replayed.
+   not given): every request's prompt length and block chain replayed. The profile is scaled to what a real server's
+   calls cost (`--drift probe`): a probe server at --probe-rate first, then (--probe-rounds) a probe of the planned
+   executor at the planned rate and cap and a re-plan, until the planned rate moves by at most --probe-tol — the
+   server's calls cost more under the planned load (the load generator, HTTP and the tokenizer share the cores).
 2. Serve: a real `dblock serve` (one torch thread, the planned executor and `--max-batch` = the planned cap) and
    `dblock loadgen`'s open-loop Poisson arrivals for --duration seconds at the planned rate and at 1.25x it, prompts
    from the task's test split, --max-tokens as in the trace.
@@ -12,7 +15,7 @@
    planned rate and fails at 1.25x; when it also holds at 1.25x the plan was conservative, and the script says by
    how much (the measured P95s' margin to the SLO at 1.25x).
 
-    .venv/bin/python benchmarks/plan_cpu.py --out runs/plan_cpu            # code-masked, about 6 minutes
+    .venv/bin/python benchmarks/plan_cpu.py --out runs/plan_cpu            # code-masked, about 10 minutes
     .venv/bin/python benchmarks/plan_cpu.py --analyse-only --out runs/plan_cpu
 
 Writes OUT/plan.json, OUT/loadgen.json, OUT/report.md. Never used by tests.
@@ -74,13 +77,41 @@ def plan(args):
         dr = {ex: probe(args, path, ex) for ex in execs}
         for ex, d in dr.items():
             print(f"probe {ex}: the server's calls x{d['factor']:.3f} the profile's", file=sys.stderr)
-        t0 = time.time()
-        parts = [plan_profiled(prof, wl, args.slo_itl, args.slo_ttft, caps=[int(c) for c in args.caps.split(",")],
-                               executors=[ex], n=args.requests, seed=args.seed, scale=dr[ex]["factor"],
-                               progress=lambda s: print("plan:", s, file=sys.stderr)) for ex in execs]
-        out = dict(parts[0], plans=sorted([p for q in parts for p in q["plans"]], key=lambda p: -p["rate"]),
-                   table=[t for q in parts for t in q["table"]])
-        out["plan_s"] = time.time() - t0
+
+        def replan():
+            t0 = time.time()
+            parts = [plan_profiled(prof, wl, args.slo_itl, args.slo_ttft, caps=[int(c) for c in args.caps.split(",")],
+                                   executors=[ex], n=args.requests, seed=args.seed, scale=dr[ex]["factor"],
+                                   progress=lambda s: print("plan:", s, file=sys.stderr)) for ex in execs]
+            o = dict(parts[0], plans=sorted([p for q in parts for p in q["plans"]], key=lambda p: -p["rate"]),
+                     table=[t for q in parts for t in q["table"]])
+            o["plan_s"] = time.time() - t0
+            return o
+
+        def summary(o, i):
+            b = o["plans"][0] if o["plans"] else None
+            return dict(round=i, factors={ex: d["factor"] for ex, d in dr.items()},
+                        probed={ex: dict(rate=d["rate"], cap=d["cap"]) for ex, d in dr.items()},
+                        executor=b and b["executor"], batch_cap=b and b["batch_cap"], rate=b and b["rate"])
+        out = replan()
+        rounds = [summary(out, 0)]
+        # the probe's load is not the plan's: the server's calls cost more at the planned rate (the load generator,
+        # HTTP and the tokenizer share the cores). Probe again where the plan will run, re-plan, until it settles.
+        for i in range(1, args.probe_rounds):
+            if not out["plans"]:
+                break
+            best = out["plans"][0]
+            ex = best["executor"]
+            dr[ex] = probe(args, path, ex, rate=best["rate"], cap=best["batch_cap"], tag=f"round{i}")
+            print(f"probe round {i} ({ex} at {best['rate']:.2f} req/s, cap {best['batch_cap']}): the server's "
+                  f"calls x{dr[ex]['factor']:.3f} the profile's", file=sys.stderr)
+            out = replan()
+            rounds.append(summary(out, i))
+            new = out["plans"][0]["rate"] if out["plans"] else 0.0
+            if abs(new - best["rate"]) <= args.probe_tol * best["rate"] and \
+                    (out["plans"] and out["plans"][0]["executor"] == ex):
+                break
+        out["probe_rounds"] = rounds
         scale = dr[out["plans"][0]["executor"]]["factor"] if out["plans"] else 1.0
     elif args.drift != "none":
         # the profile is thread-CPU time on a quiet core; the server runs on the wall clock of this machine now
@@ -157,24 +188,27 @@ def call_ratios(path: str, profile_path: str, executor: str, scale: float = 1.0)
     return out
 
 
-def probe(args, profile_path: str, executor: str) -> dict:
-    """The machine as the server sees it now: a real `dblock serve` with this executor under `dblock loadgen` at
-    --probe-rate for --probe-duration s; the median of its denoising calls' wall time over the profile's price of the
-    same shapes. A different load from the two validated ones (it is held out from them)."""
-    args.batch_cap = max(int(c) for c in args.caps.split(","))
-    trace = os.path.join(args.out, f"probe_{executor}.jsonl")
+def probe(args, profile_path: str, executor: str, rate: float | None = None, cap: int | None = None,
+          tag: str = "") -> dict:
+    """The machine as the server sees it now: a real `dblock serve` with this executor and batch cap (default the
+    largest of --caps) under `dblock loadgen` at `rate` (default --probe-rate) for --probe-duration s; the median of
+    its denoising calls' wall time over the profile's price of the same shapes. Its arrivals use another seed than
+    the validated runs', so they are held out from it."""
+    rate = args.probe_rate if rate is None else rate
+    args.batch_cap = max(int(c) for c in args.caps.split(",")) if cap is None else cap
+    trace = os.path.join(args.out, f"probe_{executor}{'_' + tag if tag else ''}.jsonl")
     srv, url = start_server(args, executor, "native", trace)
     try:
         warm = lg.load_prompts(f"task:{args.task}", 2, args.seed)
         lg.run_load(url, [0.0, 0.1], warm, args.max_tokens, args.seed)
-        arr = lg.poisson_arrivals(args.probe_rate, args.probe_duration, args.seed + 1)
+        arr = lg.poisson_arrivals(rate, args.probe_duration, args.seed + 1)
         lg.run_load(url, arr, lg.load_prompts(f"task:{args.task}", len(arr), args.seed + 1), args.max_tokens,
                     args.seed + 1)
     finally:
         stop_server(srv)
     rows = call_ratios(trace, profile_path, executor)
-    return dict(factor=rows[0]["ratio"], calls=rows[0]["calls"], rate=args.probe_rate, duration=args.probe_duration,
-                loadavg=loadavg())
+    return dict(factor=rows[0]["ratio"], calls=rows[0]["calls"], rate=rate, cap=args.batch_cap,
+                duration=args.probe_duration, loadavg=loadavg())
 
 
 def at_arrivals(args, pl: dict, run: dict) -> dict:
@@ -244,7 +278,7 @@ def report(args, pl: dict, runs: dict) -> str:
                  f"before the planned-rate run). Profile scaled by x{pl.get('scale', 1.0):.3f} before planning "
                  + (f"(probe: a real server's denoising calls at {args.probe_rate:g} req/s for "
                     f"{args.probe_duration:g} s over the profile's price of the same shapes, median)."
-                    if pl.get("drift_clock") == "probe" else
+                    + _rounds_text(pl) if pl.get("drift_clock") == "probe" else
                     f"({pl.get('drift_clock', 'none')}-clock drift of its anchors re-timed just before planning)."))
     pc = call_ratios(os.path.join(args.out, "trace_serve.jsonl"), pl["profile"], best["executor"],
                      pl.get("scale", 1.0))
@@ -255,6 +289,16 @@ def report(args, pl: dict, runs: dict) -> str:
                      + "; ".join(f"batch {r['batch']}: {r['measured_ms']:.0f} ms measured, "
                                  f"{r['predicted_ms']:.0f} predicted (x{r['ratio']:.2f})" for r in sel) + ".")
     return "\n".join(lines)
+
+
+def _rounds_text(pl: dict) -> str:
+    rounds = pl.get("probe_rounds") or []
+    if len(rounds) < 2:
+        return ""
+    return (" Probe rounds (each probe at the previous plan's rate and cap, then a re-plan): " + "; ".join(
+        f"round {r['round']}: factors " + ", ".join(f"{ex} x{f:.2f}" for ex, f in r["factors"].items())
+        + (f" -> {r['executor']}, cap {r['batch_cap']}, {r['rate']:.2f} req/s" if r["rate"] else " -> no plan")
+        for r in rounds) + ".")
 
 
 def main(argv=None) -> int:
@@ -278,6 +322,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-plan", action="store_true", help="measure again with OUT/plan.json's plan")
     ap.add_argument("--probe-rate", type=float, default=1.0)
     ap.add_argument("--probe-duration", type=float, default=20.0)
+    ap.add_argument("--probe-rounds", type=int, default=3,
+                    help="probe -> plan rounds: after the first probe at --probe-rate, probe the planned executor at "
+                         "the planned rate and cap and re-plan, until the rate moves by at most --probe-tol (1: the "
+                         "single probe at --probe-rate)")
+    ap.add_argument("--probe-tol", type=float, default=0.1, help="relative change of the planned rate that ends the "
+                                                                  "probe rounds (default 0.1)")
     ap.add_argument("--out", default="runs/plan_cpu")
     ap.add_argument("--analyse-only", action="store_true", help="reuse OUT/plan.json and OUT/loadgen.json")
     args = ap.parse_args(argv)
