@@ -82,6 +82,7 @@ def plan(args):
             t0 = time.time()
             parts = [plan_profiled(prof, wl, args.slo_itl, args.slo_ttft, caps=[int(c) for c in args.caps.split(",")],
                                    executors=[ex], n=args.requests, seed=args.seed, scale=dr[ex]["factor"],
+                                   rate_margin=args.rate_margin,
                                    progress=lambda s: print("plan:", s, file=sys.stderr)) for ex in execs]
             o = dict(parts[0], plans=sorted([p for q in parts for p in q["plans"]], key=lambda p: -p["rate"]),
                      table=[t for q in parts for t in q["table"]])
@@ -123,7 +124,7 @@ def plan(args):
     if args.drift != "probe":
         t0 = time.time()
         out = plan_profiled(prof, wl, args.slo_itl, args.slo_ttft, caps=[int(c) for c in args.caps.split(",")],
-                            n=args.requests, seed=args.seed, scale=scale,
+                            n=args.requests, seed=args.seed, scale=scale, rate_margin=args.rate_margin,
                             progress=lambda s: print("plan:", s, file=sys.stderr))
         out["plan_s"] = time.time() - t0
     if not out["plans"]:
@@ -239,7 +240,10 @@ def report(args, pl: dict, runs: dict) -> str:
     rate = best["rate"]
     lines = [f"Plan: {args.model}, SLO P95 ITL <= {1e3 * args.slo_itl:g} ms and P95 TTFT <= {args.slo_ttft:g} s; "
              f"operator profile {os.path.basename(pl['profile'])}; planned: executor {best['executor']}, batch cap "
-             f"{best['batch_cap']}, {rate:.3f} req/s ({pl['plan_s']:.0f} s to plan); measured with `dblock serve` + "
+             f"{best['batch_cap']}, {rate:.3f} req/s"
+             + (f" (the SLO edge {best['slo_edge_rate']:.3f} req/s / {1 + best['rate_margin']:g})"
+                if best.get("rate_margin") else "")
+             + f" ({pl['plan_s']:.0f} s to plan); measured with `dblock serve` + "
              f"`dblock loadgen`, {args.duration:g} s of arrivals per rate, {m1['ok']} and {m2['ok']} requests",
              "",
              f"| quantity | plan ({pl['requests']} simulated requests; profile band) | predicted at the run's "
@@ -326,6 +330,8 @@ def main(argv=None) -> int:
                     help="probe -> plan rounds: after the first probe at --probe-rate, probe the planned executor at "
                          "the planned rate and cap and re-plan, until the rate moves by at most --probe-tol (1: the "
                          "single probe at --probe-rate)")
+    ap.add_argument("--rate-margin", type=float, default=0.0,
+                    help="plan at the SLO edge's rate / (1 + this) (`simulate plan --rate-margin`; default 0)")
     ap.add_argument("--probe-tol", type=float, default=0.1, help="relative change of the planned rate that ends the "
                                                                   "probe rounds (default 0.1)")
     ap.add_argument("--out", default="runs/plan_cpu")

@@ -63,6 +63,9 @@ def add_parsers(sub, common) -> None:
     p.add_argument("--scale", type=float_arg(0.0, 1e3, lo_open=True), default=1.0,
                    help="with --operator-profile: multiply every call's price (the machine now against the profile, "
                         "e.g. the probe factor of benchmarks/plan_cpu.py; default 1)")
+    p.add_argument("--rate-margin", type=float_arg(0.0, 10.0), default=0.0,
+                   help="with --operator-profile: plan at the highest rate holding the SLOs divided by (1 + this), "
+                        "a reserve below the SLO edge for what the profile does not price (default 0)")
 
 
 def _prices(items: list, kinds: list) -> dict:
@@ -250,7 +253,7 @@ def _plan_profiled(args) -> int:
     if any(e not in ("reference", "epoch") for e in execs):
         raise ValueError(f"--executors {args.executors!r}: allowed dense (the reference executor), epoch")
     out = plan_profiled(prof, wl, args.slo_itl, args.slo_ttft, caps, execs, n=min(args.requests, 200),
-                        seed=args.seed, scale=args.scale,
+                        seed=args.seed, scale=args.scale, rate_margin=args.rate_margin,
                         progress=None if args.json else (lambda s: print(s, file=sys.stderr)))
     lines = [f"one replica on {prof.meta.get('machine', '?')} (operator profile {args.operator_profile}); "
              f"{len(reqs)} requests of the trace replayed"]
@@ -258,7 +261,9 @@ def _plan_profiled(args) -> int:
         b = p["band"]
         lines.append(f"executor {p['executor']:9s} cap {p['batch_cap']:4d}: {p['rate']:.3f} req/s, P95 ITL "
                      f"{1e3 * p['p95_itl_s']:.0f} ms ({1e3 * b['itl_p95'][0]:.0f}–{1e3 * b['itl_p95'][1]:.0f}), "
-                     f"P95 TTFT {p['p95_ttft_s']:.2f} s, {p['throughput_tok_s']:.0f} tok/s")
+                     f"P95 TTFT {p['p95_ttft_s']:.2f} s, {p['throughput_tok_s']:.0f} tok/s"
+                     + (f" (SLO edge {p['slo_edge_rate']:.3f} req/s / {1 + p['rate_margin']:g})"
+                        if p["rate_margin"] else ""))
     if not out["plans"]:
         lines.append("no executor and cap holds the SLOs at any rate on this machine")
     _emit(args, out, "\n".join(lines))

@@ -7,6 +7,10 @@ P95 ITL and P95 TTFT hold the objectives (and whose throughput keeps up with the
 λ·Ȳ); the plan is the (executor, cap) that holds them at the highest rate — with one replica the cost of the
 machine is fixed, so the highest rate is the cheapest per token. Its figures carry the band of the profile's
 repeat quartiles (lo/hi tables: the machine's own noise, the unmeasured input here).
+
+`rate_margin` m > 0 plans at that highest rate (the SLO edge) divided by 1 + m, with the plan's figures simulated
+there: the edge is where the queue's knee meets the TTFT objective, and a few percent of throughput the profile does
+not price (the serving process's work outside the executor calls) moves a knee-edge plan across the objective.
 """
 from __future__ import annotations
 
@@ -71,8 +75,10 @@ def max_rate(workload, cost, cap: int, slo_itl, slo_ttft, n: int = 96, seed: int
 
 def plan_profiled(profile, workload: batch.Workload, slo_itl: float | None, slo_ttft: float | None,
                   caps: Sequence[int] = CAPS, executors: Sequence[str] = ("reference", "epoch"), n: int = 96,
-                  seed: int = 0, scale: float = 1.0, progress=None) -> dict:
+                  seed: int = 0, scale: float = 1.0, progress=None, rate_margin: float = 0.0) -> dict:
     """The plan (module docstring): {"plans": [best first], "table": every (executor, cap)}."""
+    if not rate_margin >= 0:
+        raise ValueError(f"rate_margin={rate_margin}: must be >= 0")
     table = []
     for ex in executors:
         cost = ProfiledCost(profile, ex, "median", scale)
@@ -86,14 +92,17 @@ def plan_profiled(profile, workload: batch.Workload, slo_itl: float | None, slo_
     plans = []
     y_mean = float(np.mean([r.Y for r in workload.requests]))
     for t in ok:
+        rate = t["max_rate"] / (1.0 + rate_margin)
         bands = {}
         for q in QUANTILES:
-            s = serve(workload, ProfiledCost(profile, t["executor"], q, scale), t["max_rate"], t["batch_cap"], n, seed)
+            s = serve(workload, ProfiledCost(profile, t["executor"], q, scale), rate, t["batch_cap"], n, seed)
             for k in ("itl_p95", "ttft_p95", "throughput"):
                 bands.setdefault(k, []).append(s[k])
-        s = t["summary"]
+        s = t["summary"] if not rate_margin else serve(workload, ProfiledCost(profile, t["executor"], "median", scale),
+                                                        rate, t["batch_cap"], n, seed)
         plans.append(dict(hardware="cpu (operator profile)", gpus=1, tp=1, ep=1, replicas=1, batch_cap=t["batch_cap"],
-                          executor=t["executor"], schedule="native", rate=t["max_rate"],
+                          executor=t["executor"], schedule="native", rate=rate, slo_edge_rate=t["max_rate"],
+                          rate_margin=rate_margin,
                           p95_itl_s=s["itl_p95"], p95_ttft_s=s["ttft_p95"], throughput_tok_s=s["throughput"],
                           tokens_per_request=y_mean,
                           band={k: [float(min(v)), float(max(v))] for k, v in bands.items()}))

@@ -270,5 +270,12 @@ def test_operator_profile_plan_is_the_highest_rate_that_holds_its_slo(tmp_path, 
     assert pp._meets(again, p["rate"], y_mean, slo, None)
     assert not pp._meets(pp.serve(wl, cost_, 1.5 * p["rate"], p["batch_cap"], 24), 1.5 * p["rate"], y_mean, slo,
                          None)
+    # --rate-margin m: the same SLO edge, the plan at edge / (1 + m), its figures simulated there
+    rc, out = run(argv + ["--slo-itl", f"{slo:.6f}", "--json", "--rate-margin", "0.25"], capsys)
+    m = json.loads(out)["plans"][0]
+    assert rc == 0 and m["slo_edge_rate"] == pytest.approx(p["rate"]) and p["rate_margin"] == 0
+    assert m["rate"] == pytest.approx(p["rate"] / 1.25) and m["rate_margin"] == 0.25
+    at = pp.serve(wl, cost_, m["rate"], m["batch_cap"], 24)
+    assert m["p95_itl_s"] == pytest.approx(at["itl_p95"]) and m["p95_itl_s"] <= slo
     with pytest.raises(ValueError, match="--slo-itl or --slo-ttft"):
         run(argv, capsys)
