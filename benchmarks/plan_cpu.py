@@ -278,7 +278,7 @@ def report(args, pl: dict, runs: dict) -> str:
         worst = max(m1["itl"]["p95"] / args.slo_itl, m1["ttft"]["p95"] / args.slo_ttft)
         lines.append(f"The plan was optimistic: at the planned rate the measured P95s reach {worst:.2f}x the "
                      "objective.")
-    lines.append(f"Machine: {lg.machine()}, shared with a training run (load average {m1.get('loadavg_before')} "
+    lines.append(f"Machine: {lg.machine()} (load average {m1.get('loadavg_before')} "
                  f"before the planned-rate run). Profile scaled by x{pl.get('scale', 1.0):.3f} before planning "
                  + (f"(probe: a real server's denoising calls at {args.probe_rate:g} req/s for "
                     f"{args.probe_duration:g} s over the profile's price of the same shapes, median)."
