@@ -107,13 +107,9 @@ def token_accuracy(task, tok, exs, tokens):
     mean over requests; None on other tasks."""
     if getattr(task, "style", None) != "code":
         return None
-    from dblock.tasks import answer_text
-    tot = 0.0
-    for e, t in zip(exs, tokens):
-        cut = [int(i) for i in t]
-        cut = cut[:cut.index(tok.eos_id)] if tok.eos_id in cut else cut
-        tot += task.score(e, answer_text(t, tok), cut, tok.encode(e.answer))["answer_token_accuracy"]
-    return tot / len(exs)
+    from dblock.tasks.evaluate import prompts_and_grader
+    prompts, grader = prompts_and_grader(task, tok, exs)
+    return sum(grader(p, t)["answer_token_accuracy"] for p, t in zip(prompts, tokens)) / len(exs)
 
 
 def hf_generate(hf, prompts, dec: DecodeConfig, pad: int):

@@ -90,9 +90,9 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
     from dblock.decoding.generate import reference_forward
     from dblock.optimized.executor import epoch_forward
     from dblock.simulator import measure
-    from dblock.tasks import answer_text, get_task
+    from dblock.tasks import get_task
     from dblock.tasks.card import decoding_of, task_of
-    from dblock.tasks.evaluate import TokenizerAdapter
+    from dblock.tasks.evaluate import TokenizerAdapter, prompts_and_grader
 
     from tqdm import tqdm
 
@@ -112,7 +112,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
         task = get_task(task_of(name))   # what the model was trained on (its card.json)
         k = n or N_PROBLEMS.get(name, 16)
         probs = task.examples("test", k)
-        prompts = [tok.encode(e.prompt) for e in probs]
+        prompts, grader = prompts_and_grader(task, tok, probs)   # code: a dict of quality metrics per request
         max_new = getattr(task, "max_new_tokens", 128)      # the code task: 64 (two blocks)
         fwds = {}
         jobs, specs = {}, {}
@@ -136,13 +136,11 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
         for key, rs in runs.items():
             executor, econf, schedule, extra = specs[key]
             med = measure.median_run(rs)
-            ok = [task.grade(e.prompt, answer_text(ids, tok)) for e, ids in zip(probs, rs[0]["tokens"])]
-            tok_acc = None          # the code task's whole-answer token accuracy (next line exact is all-or-nothing)
-            if getattr(task, "style", None) == "code":
-                cuts = [[int(t) for t in ids] for ids in rs[0]["tokens"]]
-                cuts = [c[:c.index(tok.eos_id)] if tok.eos_id in c else c for c in cuts]
-                tok_acc = sum(task.score(e, answer_text(ids, tok), c, tok.encode(e.answer))["answer_token_accuracy"]
-                              for e, ids, c in zip(probs, rs[0]["tokens"], cuts)) / k
+            graded = [grader(p, ids) for p, ids in zip(prompts, rs[0]["tokens"])]
+            ok = [g["correct"] if isinstance(g, dict) else g for g in graded]
+            # the code task's whole-answer token accuracy (next line exact is all-or-nothing); None on other tasks
+            tok_acc = (sum(g["answer_token_accuracy"] for g in graded) / k
+                       if graded and isinstance(graded[0], dict) else None)
             same = (sum(a == b for a, b in zip(rs[0]["tokens"], runs[base_key][0]["tokens"])) / k
                     if base_key in runs else 1.0)
             ratios = measure.paired_ratios(rs, runs[base_key]) if base_key in runs else [1.0]
