@@ -364,8 +364,9 @@ def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
             break
     if any(task_of(b) == "code" for b in bundled):
         print("\nacc: the task's accuracy (code: the next line exact); tok: the code task's token accuracy over the "
-              "whole answer (64 generated tokens against the file's own, position by position); same: requests whose whole output equals the reference "
-              "Native row's (a uniform-state OBA or FlowBlock run draws its noise from one generator per block, "
+              "whole answer (64 generated tokens against the file's own, position by position); same: requests "
+              "whose whole output equals the reference Native row's (a uniform-state OBA or FlowBlock run draws its "
+              "noise from one generator per block, "
               "Native from one per request: their outputs are the same in distribution, not token for token, so "
               "compare acc and tok there)")
     print(f"\n({seconds:.0f} s; TPS = tokens per second of denoising thread-CPU time on this machine, median of "

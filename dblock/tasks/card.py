@@ -202,7 +202,9 @@ def _code_objective_text(card: dict) -> str:
         noisy = (f"; with probability {p} an example's predecessor canvas is partly re-noised in the encoder input, "
                  "so the next canvas learns to denoise behind a still-noisy block, the view of One Block Ahead's "
                  "warm-up block" if p else "")
-        return ("each window cut at a prompt length P uniform in [1, 144] and trained as whole canvases after P: "
+        window = card.get("train_config", {}).get("window")
+        half = window // 2 if window else "L/2"         # `train_data.code_rows_for_step`: P uniform in [1, L/2]
+        return (f"each window cut at a prompt length P uniform in [1, {half}] and trained as whole canvases after P: "
                 "every canvas token replaced by a uniform vocabulary draw with probability t ~ U(0, 1), the decoder "
                 "predicting the clean canvas from the encoder's clean prefix, with self-conditioning" + noisy)
     return ("every block noised and predicted from the clean blocks before it, the rows of one block before a random "
