@@ -13,6 +13,9 @@ noise hits them alike:
     epoch@δ        (on request, `--configs`) epoch with the margin-gated exact refresh of bound δ
                    (`EpochConfig.margin_refresh`, docs/algorithms.md §4.7): its share of approximate request passes
                    re-run exactly is reported beside it
+    no_atlas~ε     (on request; any approximate configuration) with LSP's drift bound ε (`EpochConfig.lsp_drift`,
+                   docs/algorithms.md §4.3): its f and bound B count the rows the drift bound sent back through the
+                   experts, and its share of cache candidates recomputed is reported beside it (`name~ε@δ`: both)
 
 Per configuration: thread-CPU time per pass (`time.thread_time`, the primary clock: on a shared machine it is the
 work this thread did) and wall time per pass, TPS on both clocks, MoE share of the pass, the fresh-row fraction f
@@ -34,6 +37,7 @@ model instead).
     .venv/bin/python benchmarks/epoch_cpu.py --json epoch_cpu.json --write-benchmarks   # replace the section
     .venv/bin/python benchmarks/epoch_cpu.py --markdown                   # print the section instead
     .venv/bin/python benchmarks/epoch_cpu.py --cells code-masked:threshold:32 --configs dense,full_compute,epoch,epoch@0.1
+    .venv/bin/python benchmarks/epoch_cpu.py --cells code-masked:threshold:32 --configs dense,full_compute,no_atlas,no_atlas~0.02
 
 Ratios are taken within one run on one machine. Never used by tests.
 """
@@ -176,9 +180,16 @@ class MoETimer:
 
 
 def parse_config(config: str):
-    """`name` or `name@δ` (the margin-gated exact refresh of bound δ) -> (name, δ or None)."""
+    """`name`, `name@δ` (the margin-gated exact refresh of bound δ), `name~ε` (LSP's drift bound ε) or `name~ε@δ`
+    -> (name, δ or None). ε: `drift_of`."""
     name, _, delta = config.partition("@")
-    return name, (float(delta) if delta else None)
+    return name.partition("~")[0], (float(delta) if delta else None)
+
+
+def drift_of(config: str):
+    """ε of `name~ε[@δ]`, else None."""
+    eps = config.partition("@")[0].partition("~")[2]
+    return float(eps) if eps else None
 
 
 def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
@@ -190,7 +201,8 @@ def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
         timer = MoETimer(model)
     else:
         name, delta = parse_config(config)
-        fwd = epoch_forward(model, name, path=path, path_model=path_model, margin_refresh=delta)
+        fwd = epoch_forward(model, name, path=path, path_model=path_model, margin_refresh=delta,
+                            lsp_drift=drift_of(config))
     orig = fwd.denoise
     acc = {"cpu": 0.0, "wall": 0.0, "calls": 0, "rows": 0, "n_fresh": 0.0, "computed": 0, "layer_rows": 0,
            "moe_cpu": 0.0, "moe_bytes": 0, "moe_bytes_sum": 0, "dense_calls": 0, "sys": 0.0, "minflt": 0}
@@ -244,7 +256,8 @@ def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
             "dense_calls": acc["dense_calls"] / n, "moe_bytes": acc["moe_bytes"],
             "moe_bytes_mean": acc["moe_bytes_sum"] / n, "tokens": res.tokens,
             "paths": fwd.stats()["paths"] if timer is None else {},
-            "margin_refresh": fwd.stats().get("margin_refresh") if timer is None else None}
+            "margin_refresh": fwd.stats().get("margin_refresh") if timer is None else None,
+            "lsp_drift": fwd.stats().get("lsp_drift") if timer is None else None}
 
 
 def calibrate(model, prompts, dec, repeats: int) -> dict:
@@ -287,11 +300,15 @@ def parse_configs(s: str) -> list:
         c = c.strip()
         try:
             name, delta = parse_config(c)
+            eps = drift_of(c)
         except ValueError:
-            name, delta = None, None
-        if name not in CONFIGS or (delta is not None and (name in ("dense", "full_compute") or not delta >= 0)):
+            name, delta, eps = None, None, None
+        exact = name in ("dense", "full_compute")
+        if name not in CONFIGS or (delta is not None and (exact or not delta >= 0)) or \
+                (eps is not None and (exact or name == "no_lsp" or not eps >= 0)):
             raise ConfigError(f"--configs {c!r}: give names among {', '.join(CONFIGS)}, or an approximate one with "
-                              "the margin-gated refresh's bound, e.g. epoch@0.1")
+                              "the margin-gated refresh's bound (epoch@0.1) and/or, where LSP is on, LSP's drift "
+                              "bound (no_atlas~0.02)")
         out.append(c)
     if "dense" not in out:
         raise ConfigError("--configs: dense must be among them (every ratio is to it)")
@@ -319,7 +336,7 @@ def run_cell(name, model, rule, batch, args) -> list:
     for config in configs:
         runs = cells[config]
         r0 = runs[0]
-        f = r0["fresh_frac"]
+        f = r0["fresh_frac"] if r0.get("lsp_drift") is None else r0["computed_frac"]   # drift: rows recomputed too
         row = {"model": name, "rule": rule, "batch": batch, "config": config,
                "TPS": med(runs, "TPS"), "TPS_wall": med(runs, "TPS_wall"),
                "cpu_ms_per_pass": 1e3 * med(runs, "cpu_per_pass"), "wall_ms_per_pass": 1e3 * med(runs, "wall_per_pass"),
@@ -342,6 +359,10 @@ def run_cell(name, model, rule, batch, args) -> list:
             row["margin_refresh"] = g
             row["refreshed_of_approx"] = g["refreshed"] / g["approx"] if g["approx"] else 0.0
             row["refreshed_of_all"] = g["refreshed"] / g["requests"] if g["requests"] else 0.0
+        dr = r0.get("lsp_drift")
+        if dr:
+            row["lsp_drift"] = dr
+            row["drift_recomputed"] = dr["recomputed"] / dr["checked"] if dr["checked"] else 0.0
         if grading is not None:
             task, tok, exs = grading
             from dblock.tasks import answer_text
@@ -458,6 +479,12 @@ def markdown(rows, meta) -> str:
                        "ones and of all): " + "; ".join(
                            f"batch {r['batch']} {r['config']} {100 * r['refreshed_of_approx']:.0f}% / "
                            f"{100 * r['refreshed_of_all']:.0f}%" for r in gated) + ".")
+        drifted = [r for r in sub if "lsp_drift" in r]
+        if drifted:
+            out.append("LSP's drift bound (cache candidates computed fresh because their MoE input moved more than ε; "
+                       "their f counts them): " + "; ".join(
+                           f"batch {r['batch']} {r['config']} {100 * r['drift_recomputed']:.0f}%" for r in drifted)
+                       + ".")
         if pms:
             out.append(f"Measured path profiles at batch {big}: " + "; ".join(
                 f"{c}: m = {p['moe_share']:.3f}, o = {p['overhead_share']:.3f}, f* = {p['break_even']:.3f}"

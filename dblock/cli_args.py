@@ -364,6 +364,11 @@ def add_executor_args(p):
                         "(full_compute) when its block's decision radius at the Epoch logits is <= DELTA, a bound "
                         "on the logit error of an approximate pass (0 never, inf always; default off). Not the "
                         "LSP period --refresh")
+    g.add_argument("--lsp-drift", type=bound_arg, default=None, metavar="EPS",
+                   help="epoch executor: LSP's drift bound (docs/algorithms.md §4.3): a stable decoded row is served "
+                        "from the cache only while its MoE input has moved by at most EPS of its norm since its "
+                        "entry was written, else it is computed fresh (0 serves only unmoved rows, inf is the age "
+                        "bound alone; default off)")
     g.add_argument("--use-triton", action="store_true",
                    help="run the epoch executor's Triton kernels (interpreter on a machine without a GPU)")
     g.add_argument("--epoch-path", default=None, choices=["auto", "epoch", "dense"],

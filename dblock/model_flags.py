@@ -83,7 +83,8 @@ def make_forward(model, args):
                          dispatcher=dispatcher, atlas_m=args.atlas_m, atlas_B=args.atlas_B,
                          atlas_beta=args.atlas_beta, atlas_c=args.atlas_c, path=args.epoch_path,
                          path_model=_path_model(args.path_profile),
-                         margin_refresh=getattr(args, "margin_refresh", None))
+                         margin_refresh=getattr(args, "margin_refresh", None),
+                         lsp_drift=getattr(args, "lsp_drift", None))
 
 
 def _path_model(path):

@@ -60,7 +60,7 @@ class AuditedEpochExecutor(EpochExecutor):
         served = {}
         for p in R.plan[c.idx_S].unique().tolist():
             m = R.plan[c.idx_S] == p
-            served[p] = (c.idx_S[m], c.age_S[m])
+            served[p] = (c.idx_S[m], c.age_S[m], None if c.drift_S is None else c.drift_S[m])
         for p, plan in enumerate(R.plans):
             rows_T = R.plan_rows[p]
             in_plan = R.plan[c.idx_F] == p
@@ -78,6 +78,8 @@ class AuditedEpochExecutor(EpochExecutor):
                 "fresh": int(c.fresh_T[rows_T].sum()),
                 "served_rows": [] if srv is None else R.row[srv[0]].tolist(),
                 "served_ages": [] if srv is None else srv[1].tolist(),
+                "served_drift": None if srv is None or srv[2] is None else srv[2].tolist(),
+                "lsp_drift": self.ecfg.lsp_drift,
                 "newly_decoded": plan.liveness.newly.nonzero(as_tuple=True)[0].tolist(),
                 "decoded": R.decoded[rows_T].nonzero(as_tuple=True)[0].tolist(),
                 "support": None if sup is None else sup.nonzero(as_tuple=True)[0].tolist(),

@@ -188,7 +188,7 @@ def _verify(args) -> int:
     epoch_kw = dict(refresh=args.refresh, atlas_alpha=args.atlas_alpha, atlas_q=args.atlas_q,
                     update_every=args.update_every, use_triton=args.use_triton, atlas_m=args.atlas_m,
                     atlas_B=args.atlas_B, atlas_beta=args.atlas_beta, atlas_c=args.atlas_c, path=args.epoch_path,
-                    margin_refresh=args.margin_refresh)
+                    margin_refresh=args.margin_refresh, lsp_drift=args.lsp_drift)
     if getattr(args, "ep", None) is not None:
         from dblock.optimized.ep import dispatcher_from_cli
         epoch_kw["dispatcher"] = dispatcher_from_cli(model, args.ep, args.ep_dispatch, args.device)

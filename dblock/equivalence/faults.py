@@ -13,6 +13,8 @@ The production executor knows nothing of them. Every fault must be caught by the
   route-outside-support  `__init__`: tiny supports (B = K) so that an outside exists;
                          `_routing_support`: routing ignores the support                       -> support-routing
   skip-live-logits       `_head_rows`: the first live row of a segment gets no LM head         -> lm-head
+  drift-unchecked        `_drift_gate`: the drift is measured but never enforced, so rows whose
+                         MoE input moved past ε are served (needs `--lsp-drift`)               -> drift
 """
 from __future__ import annotations
 
@@ -72,11 +74,27 @@ class SkipLiveLogits:
         return live
 
 
+class DriftUnchecked:
+    """LSP's drift bound is measured (the record carries every served row's drift) but not enforced: a row whose
+    MoE input moved past ε is served anyway."""
+
+    def _drift_gate(self, c):
+        eps = self.ecfg.lsp_drift
+        if eps is None:
+            return super()._drift_gate(c)
+        self.ecfg = replace(self.ecfg, lsp_drift=float("inf"))
+        try:
+            super()._drift_gate(c)
+        finally:
+            self.ecfg = replace(self.ecfg, lsp_drift=eps)
+
+
 INJECTORS = {
     "stale-cache": StaleCache,
     "cache-newly-decoded": CacheNewlyDecoded,
     "route-outside-support": RouteOutsideSupport,
     "skip-live-logits": SkipLiveLogits,
+    "drift-unchecked": DriftUnchecked,
 }
 assert set(INJECTORS) == set(FAULTS), "every fault the report knows must have an injector"
 

@@ -22,6 +22,8 @@ Invariant names (stable: they appear in `dblock verify` output and exit reasons)
                      coverage fell below alpha: the per-token fail-closed routes it with every expert, counted
                      in the record's `opened`)
   lm-head            the LM head runs for every live row (the executor returns exactly one logits row per live row)
+  drift              under LSP's drift bound ε (`EpochConfig.lsp_drift`) every served row's MoE input moved by at most
+                     ε of its norm since its entry was written (the record carries each served row's drift)
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 INVARIANTS = ("staleness", "newly-decoded", "served-live", "block-boundary", "coverage", "fail-closed",
-              "support-routing", "lm-head")
+              "support-routing", "lm-head", "drift")
 
 
 @dataclass
@@ -85,6 +87,19 @@ def check_record(rec: dict, block_pass: Optional[int] = None, positions: Optiona
         elif r not in decoded:
             out.append(Violation("served-live", f"{_at(rec, r, positions)}: live row served from the cache",
                                  _where(rec, row=r, position=pos(r), age=a)))
+    eps = rec.get("lsp_drift")
+    if eps is not None and served:
+        drift = rec.get("served_drift")
+        if drift is None:
+            out.append(Violation("drift", f"request {rec['request']} block {rec['block']} pass {rec['pass']} layer "
+                                          f"{rec['layer']}: {len(served)} rows served under the drift bound "
+                                          f"ε = {eps:g} without a drift check", _where(rec, served=len(served))))
+        else:
+            for r, d in zip(served, drift):
+                if not d <= eps:
+                    out.append(Violation("drift", f"{_at(rec, r, positions)}: served an entry whose MoE input "
+                                                  f"moved by {d:.3g} of its norm (bound ε = {eps:g})",
+                                         _where(rec, row=r, position=pos(r), drift=d)))
     if block_pass is not None and rec["plan_pass"] > block_pass:
         out.append(Violation("block-boundary", f"request {rec['request']} block {rec['block']} pass {rec['pass']} "
                                                f"layer {rec['layer']}: the block plan is at pass {rec['plan_pass']} "

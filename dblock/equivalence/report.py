@@ -43,6 +43,7 @@ FAULTS = {
     "cache-newly-decoded": "newly-decoded",
     "route-outside-support": "support-routing",
     "skip-live-logits": "lm-head",
+    "drift-unchecked": "drift",
 }
 EXACT_CONFIGS = ("full_compute", "dense", "reference")
 APPROX_MAX_DISAGREEMENT = 0.02
@@ -129,6 +130,8 @@ def shadow_section(shadow, executor=None) -> dict:
         sec["executor_stats"] = executor.stats()
         if sec["executor_stats"].get("margin_refresh"):
             sec["margin_refresh"] = sec["executor_stats"]["margin_refresh"]
+        if sec["executor_stats"].get("lsp_drift"):
+            sec["lsp_drift"] = sec["executor_stats"]["lsp_drift"]
     return sec
 
 
@@ -261,6 +264,11 @@ def format_section(sec: dict, title: str, limit: int = 20) -> list:
                  f"request passes re-run exactly ({_pct(g['refreshed'] / g['approx'] if g['approx'] else None)}; "
                  f"{g['requests']} request passes in all, {g['rows_refreshed']} rows recomputed, "
                  f"{g['calls_refreshed']} of {g['passes']} calls with a re-run)")
+    d = sec.get("lsp_drift")
+    if d:
+        L.append(f"LSP drift bound (ε = {d['bound']:g}): {d['recomputed']} of {d['checked']} cache candidates "
+                 f"computed fresh because their MoE input moved more than ε "
+                 f"({_pct(d['recomputed'] / d['checked'] if d['checked'] else None)})")
     c = sec["cache"]
     L.append(f"cache ages at read (M_C = {c['M_C']}): " + (" ".join(f"{k}:{v}" for k, v in c["age_hist"].items())
                                                           or "no reads") + f"   max age {c['max_age']}")

@@ -55,6 +55,8 @@ def _fault_exercise(faults, main, probe) -> dict:
             out[f] = "no hot pass decoded a position (every block finished on its cold pass?)"
         elif f == "route-outside-support":
             out[f] = "no strict support was built (--epoch-config without Expert Atlas?)"
+        elif f == "drift-unchecked":
+            out[f] = "no served row's MoE input moved past ε (try a smaller --lsp-drift)"
         else:
             out[f] = "no live row was skipped"
     return out
@@ -81,6 +83,9 @@ def run_verify(model, prompts: list, dec: DecodeConfig, schedule: str = "native"
         raise ValueError(f"--inject-fault {no_cache[0]}: {cfg.family} is uniform-state and runs without LSP (no "
                          "decoded-output cache for the fault to corrupt); allowed here: route-outside-support, "
                          "skip-live-logits")
+    if "drift-unchecked" in faults and (executor == "reference" or epoch_kw.get("lsp_drift") is None):
+        raise ValueError("--inject-fault drift-unchecked: the fault skips LSP's drift bound; give the epoch executor "
+                         "one with --lsp-drift EPS")
     spec = schedule_spec(schedule) if isinstance(schedule, str) else schedule
     ex_name = "reference" if executor == "reference" else "epoch"
     cfg_name = "reference" if executor == "reference" else config

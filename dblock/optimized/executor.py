@@ -37,7 +37,9 @@ Configurations (docs/algorithms.md §4.5): epoch (all on), full_compute (all exp
 no_lsp, and dense (the reference executor itself). Faults fail closed: any cache doubt makes the layer fully fresh,
 an atlas failure makes the layer use all experts, both counted. With `EpochConfig.margin_refresh` = δ (off by
 default), a request whose pass was approximate and whose block decision radius at the Epoch logits is ≤ δ is re-run
-through a full_compute executor before its logits are returned (`_margin_gate`, docs/algorithms.md §4.7).
+through a full_compute executor before its logits are returned (`_margin_gate`, docs/algorithms.md §4.7). With
+`EpochConfig.lsp_drift` = ε (off by default), a stable decoded row is served from the cache only while its MoE input
+stays within ε of the input its entry was computed at (relative L2), else it is computed fresh (`_drift_gate`).
 
 Letter legend: B requests, L padded rows per request, T valid rows of the call, F fresh rows, E experts,
 K experts per token, H hidden, N rows of one block, P block plans of the call, C rows a plan wants served from the
@@ -91,6 +93,7 @@ class EpochExecutor(MoeSteps, Forward):
         self._pass = 0                           # denoising calls so far
         self._path_models: dict = {}             # block rows -> PathModel from the cost model (nominal batch)
         self.gate = Counter()                    # the margin-gated exact refresh (`_margin_gate`), when on
+        self.drift = Counter()                   # LSP's drift bound (`_drift_gate`): rows checked, rows recomputed
         self._exact = None                       # its full_compute executor (made on the first refresh)
         self.stages = self._make_stages()
 
@@ -156,6 +159,9 @@ class EpochExecutor(MoeSteps, Forward):
                "atlas_hot": dict(self.atlas_hot)}
         if self.ecfg.margin_refresh is not None:
             out["margin_refresh"] = {"bound": self.ecfg.margin_refresh, **{k: self.gate[k] for k in GATE_COUNTERS}}
+        if self.ecfg.lsp_drift is not None:
+            out["lsp_drift"] = {"bound": self.ecfg.lsp_drift, "checked": self.drift["checked"],
+                                "recomputed": self.drift["recomputed"]}
         return out
 
     def last_pass_stats(self) -> dict:
@@ -187,7 +193,8 @@ class EpochExecutor(MoeSteps, Forward):
         """Plan every segment's pass and lay its rows out in the call's T valid rows (a few batched tensor ops,
         whatever the number of blocks)."""
         if self.arena is None:
-            self.arena = CacheArena(self.config.moe_layers, H, dtype, self.device)
+            self.arena = CacheArena(self.config.moe_layers, H, dtype, self.device,
+                                    keep_inputs=self.ecfg.lsp_drift is not None)
         plans, lens, flat0, toks, decs = [], [], [], [], []
         for b, it in enumerate(items):
             off = 0
@@ -403,13 +410,15 @@ class EpochExecutor(MoeSteps, Forward):
 
 def epoch_config(config: str = "epoch", refresh=None, atlas_alpha=None, atlas_q=None, update_every=None,
                  use_triton: bool = False, atlas_m=None, atlas_B=None, atlas_beta=None,
-                 atlas_c=None, path=None, path_model=None, atlas_repair=None, margin_refresh=None) -> EpochConfig:
+                 atlas_c=None, path=None, path_model=None, atlas_repair=None, margin_refresh=None,
+                 lsp_drift=None) -> EpochConfig:
     """The EpochConfig of a named configuration with the command line's knobs (None = default, see `AtlasParams`;
     `path`: auto | epoch | dense, `path_model`: a measured `PathModel` for auto; `atlas_repair`: the hot repair of
-    `_repair_supports`, on by default; `margin_refresh`: δ of the margin-gated exact refresh, None = off)."""
+    `_repair_supports`, on by default; `margin_refresh`: δ of the margin-gated exact refresh, None = off;
+    `lsp_drift`: ε of LSP's drift bound, None = off)."""
     cfg = EpochConfig.named(config, refresh=refresh, alpha=atlas_alpha, q=atlas_q, update_every=update_every,
                             m=atlas_m, B=atlas_B, beta=atlas_beta, c=atlas_c, path=path, path_model=path_model,
-                            margin_refresh=margin_refresh)
+                            margin_refresh=margin_refresh, lsp_drift=lsp_drift)
     cfg.use_triton = use_triton
     if atlas_repair is not None:
         cfg.atlas_repair = bool(atlas_repair)
@@ -418,14 +427,15 @@ def epoch_config(config: str = "epoch", refresh=None, atlas_alpha=None, atlas_q=
 
 def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, atlas_q=None, update_every=None,
                   use_triton: bool = False, dispatcher=None, atlas_m=None, atlas_B=None, atlas_beta=None,
-                  atlas_c=None, path=None, path_model=None, atlas_repair=None, margin_refresh=None) -> Forward:
+                  atlas_c=None, path=None, path_model=None, atlas_repair=None, margin_refresh=None,
+                  lsp_drift=None) -> Forward:
     """The optimized executor in one of its configurations over `model`'s weights (`dense` = the reference).
 
     Atlas knobs (None = default, see `AtlasParams`): alpha coverage floor, q covered-token quota, m extra
     candidates, B initial support size, beta mixing weight, c experts added per repair round, update_every.
     Pass path (docs/algorithms.md §4.1): `path` auto (default: the cost rule of `PathModel`), epoch or dense;
     `path_model` a measured `PathModel` (else the cost model's). `margin_refresh` δ: the margin-gated exact refresh
-    (docs/algorithms.md §4.7), None = off.
+    (docs/algorithms.md §4.7), None = off. `lsp_drift` ε: LSP's drift bound (docs/algorithms.md §4.3), None = off.
     The equivalence suite's audited executor, with or without deliberate faults, takes the same knobs:
     `dblock.equivalence.audit.audited_epoch_forward`."""
     if config == "dense":
@@ -436,7 +446,7 @@ def epoch_forward(model, config: str = "epoch", refresh=None, atlas_alpha=None, 
     cfg = epoch_config(config, refresh=refresh, atlas_alpha=atlas_alpha, atlas_q=atlas_q, update_every=update_every,
                        use_triton=use_triton, atlas_m=atlas_m, atlas_B=atlas_B, atlas_beta=atlas_beta,
                        atlas_c=atlas_c, path=path, path_model=path_model, atlas_repair=atlas_repair,
-                       margin_refresh=margin_refresh)
+                       margin_refresh=margin_refresh, lsp_drift=lsp_drift)
     return epoch_class(model)(model, cfg, dispatcher=dispatcher)
 
 

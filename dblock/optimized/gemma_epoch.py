@@ -99,6 +99,9 @@ class GemmaEpochExecutor(EpochExecutor):
         if cfg.margin_refresh is not None:
             raise ValueError("margin_refresh: the margin-gated exact refresh needs a closed-form decision margin "
                              f"(masked diffusion); {', '.join(self.families)} decides by the entropy-bound rule")
+        if cfg.lsp_drift is not None:
+            raise ValueError("lsp_drift: LSP's drift bound applies to served cache rows, and LSP is off on "
+                             f"{', '.join(self.families)} (no row keeps a decoded token, docs/algorithms.md §4.6)")
         self.lsp_requested = cfg.lsp
         super().__init__(model, replace(cfg, lsp=False), dispatcher=dispatcher)
         self.moes = [GemmaMoe(layer) for layer in model.layers]

@@ -6,7 +6,9 @@ and the token the row held. A stable decoded row (decoded on this pass and the p
 cache; every other row is fresh. Every `refresh` passes all rows go fresh, so a served entry has age (passes since
 it was written) in 1..refresh-1, i.e. 0 <= age <= M_C - 1. Anything unexpected — a missing entry, a version or
 token mismatch, a shape change, a decoded row turning live again, an entry of age >= M_C — makes the layer (or
-block) fully fresh: never a stale read.
+block) fully fresh: never a stale read. With a drift bound ε (`EpochConfig.lsp_drift`) the arena also keeps each
+entry's MoE input, and a row whose input has moved by more than ε of its norm since the write is computed fresh
+(`MoeSteps._drift_gate`).
 
 Letter legend: N rows of one block, H hidden.
 """
@@ -37,10 +39,11 @@ class CacheArena:
     Freeing A leaves [0, 3) free; a plan of N = 2 reuses slots 0..1 (first fit), with their stamps reset to EMPTY.
     """
 
-    def __init__(self, layers, H: int, dtype, device, capacity: int = 256):
+    def __init__(self, layers, H: int, dtype, device, capacity: int = 256, keep_inputs: bool = False):
         self.layers, self.H, self.dtype, self.device = list(layers), H, dtype, device
         self.capacity = 0
         self.values, self.stamps = {}, {}
+        self.inputs = {} if keep_inputs else None    # per layer (capacity, H): the MoE input each entry was computed at
         self.written, self.token, self.version = {}, {}, {}    # column views of `stamps`
         self.free_ranges: list = []                 # [(base, n)] sorted by base
         self._grow(capacity)
@@ -54,15 +57,26 @@ class CacheArena:
             if old:
                 v[:old], st[:old] = self.values[li], self.stamps[li]
             self.values[li], self.stamps[li] = v, st
+            if self.inputs is not None:
+                x = torch.zeros(new_cap, self.H, dtype=self.dtype, device=self.device)
+                if old:
+                    x[:old] = self.inputs[li]
+                self.inputs[li] = x
             self.written[li], self.token[li], self.version[li] = st[:, 0], st[:, 1], st[:, 2]
         self.free_ranges.append((old, new_cap - old))
         self._merge_free()
         self.capacity = new_cap
 
-    def write(self, li: int, slot_W: torch.Tensor, values_WH: torch.Tensor, stamps_W3: torch.Tensor) -> None:
-        """Entries of layer li at `slot_W`: routed outputs and their (pass written, token, version) stamps."""
+    def write(self, li: int, slot_W: torch.Tensor, values_WH: torch.Tensor, stamps_W3: torch.Tensor,
+              inputs_WH: Optional[torch.Tensor] = None) -> None:
+        """Entries of layer li at `slot_W`: routed outputs and their (pass written, token, version) stamps; with
+        `keep_inputs`, the MoE inputs they were computed at (`inputs_WH`, required then)."""
+        if self.inputs is not None and inputs_WH is None:
+            raise ValueError("CacheArena(keep_inputs=True).write: the entries' MoE inputs (inputs_WH) are required")
         self.values[li].index_copy_(0, slot_W.to(self.device), values_WH.to(self.dtype))
         self.stamps[li].index_copy_(0, slot_W, stamps_W3)
+        if self.inputs is not None:
+            self.inputs[li].index_copy_(0, slot_W.to(self.device), inputs_WH.to(self.dtype))
 
     def _merge_free(self) -> None:
         out = []

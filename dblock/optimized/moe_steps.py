@@ -8,6 +8,9 @@ equivalence suite's audit records and deliberate faults override them from outsi
   cache checks    `_check_cache`     every row a plan wants served passes `_cache_checks`, else its block goes fully
                                      fresh for this layer (fail closed, `_fall_back`); one vectorised check per
                                      layer, the per-block naming only when something failed
+  drift           `_drift_gate`      (with `EpochConfig.lsp_drift` = ε) a row that passed the cache checks but whose
+                                     MoE input moved by more than ε of its norm since its entry was written is
+                                     computed fresh instead (docs/algorithms.md §4.3)
   compact         `_compact`         the fresh rows of the whole batch into one (F, H) buffer
   due             `_supports_due`    the blocks whose Expert Atlas support is (re)built this pass
   router          `_router_logits`   router logits of the fresh rows (a building block's rows are all among them)
@@ -66,6 +69,7 @@ class MoeSteps:
             self._all_fresh(c)
         else:
             self._check_cache(c)
+            self._drift_gate(c)
             self._compact(c)
         c.build = self._supports_due(c)
         self._router_logits(c)
@@ -122,6 +126,28 @@ class MoeSteps:
             bad_C |= fail_C
         keep_C = ~c.fresh_T[idx_C]                           # rows of blocks that did not fall back
         c.idx_S, c.age_S = idx_C[keep_C], age_C[keep_C]
+
+    def _drift_gate(self, c: LayerCall) -> None:
+        """LSP's drift bound ε (`EpochConfig.lsp_drift`, docs/algorithms.md §4.3): of the rows that passed the cache
+        checks, serve only those whose MoE input x moved by at most ε of the input x_w their entry was computed at,
+        ‖x − x_w‖₂ ≤ ε·‖x_w‖₂; the others join the fresh rows (computed, their entries rewritten). Per row, not per
+        block: nothing is in doubt about the cache, the row has only moved too far. Sets drift_S (the served rows'
+        relative drift, for the audit)."""
+        eps = self.ecfg.lsp_drift
+        if eps is None or c.idx_S.numel() == 0:
+            return
+        dev = c.x_TH.device
+        x_w = self.arena.inputs[c.li].index_select(0, c.R.slot[c.idx_S].to(dev))
+        x = c.x_TH.index_select(0, c.idx_S.to(dev)).to(x_w.dtype)
+        rel = ((x - x_w).norm(dim=1) / x_w.norm(dim=1).clamp_min(torch.finfo(x_w.dtype).tiny)).cpu()
+        moved = ~(rel <= eps)                                # a NaN drift is not within the bound
+        self.drift["checked"] += c.idx_S.numel()
+        if bool(moved.any()):
+            self.drift["recomputed"] += int(moved.sum())
+            c.fresh_T[c.idx_S[moved]] = True
+            keep = ~moved
+            c.idx_S, c.age_S, rel = c.idx_S[keep], c.age_S[keep], rel[keep]
+        c.drift_S = rel
 
     def _fall_back(self, c: LayerCall, p: int, why: str) -> None:
         """Plan p's rows all go fresh at this layer, counted with the reason."""
@@ -393,7 +419,9 @@ class MoeSteps:
         idx_W = self._rows_to_write(c).nonzero(as_tuple=True)[0]
         if idx_W.numel():
             R = c.R
-            self.arena.write(c.li, R.slot[idx_W], c.y_TH.index_select(0, idx_W.to(c.y_TH.device)), R.stamp[idx_W])
+            dev = c.y_TH.device
+            x_W = c.x_TH.index_select(0, idx_W.to(dev)) if self.arena.inputs is not None else None
+            self.arena.write(c.li, R.slot[idx_W], c.y_TH.index_select(0, idx_W.to(dev)), R.stamp[idx_W], x_W)
 
     def _layer_output(self, c: LayerCall) -> torch.Tensor:
         """The MoE output back in the padded (B, L, H) layout; the layer's statistics record."""

@@ -122,15 +122,21 @@ class EpochConfig:
                                      # request whose pass was approximate is recomputed exactly (full_compute) when
                                      # its blocks' decision radius at the Epoch logits is <= δ; None: off;
                                      # 0: never (the gate only counts); inf: every approximate pass
+    lsp_drift: Optional[float] = None    # ε of LSP's drift bound (docs/algorithms.md §4.3): a stable decoded row is
+                                     # served only when its MoE input moved by <= ε of its norm since its entry
+                                     # was written, else computed fresh; None: off (the age bound M_C alone)
 
     @classmethod
     def named(cls, name: str, refresh: Optional[int] = None, path: Optional[str] = None,
               path_model: Optional[PathModel] = None, margin_refresh: Optional[float] = None,
-              **atlas_kw) -> "EpochConfig":
+              lsp_drift: Optional[float] = None, **atlas_kw) -> "EpochConfig":
         path = "auto" if path is None else path
         if margin_refresh is not None and not float(margin_refresh) >= 0.0:
             raise ValueError(f"margin_refresh={margin_refresh}: the logit bound δ must be >= 0 (inf: refresh every "
                              "approximate pass), or None for off")
+        if lsp_drift is not None and not float(lsp_drift) >= 0.0:
+            raise ValueError(f"lsp_drift={lsp_drift}: the drift bound ε must be >= 0 (0: serve only rows whose MoE "
+                             "input did not move; inf: the age bound alone), or None for off")
         if path not in PASS_PATHS:
             raise ValueError(f"path={path!r}: allowed {', '.join(PASS_PATHS)}")
         atlas_kw = {k: v for k, v in atlas_kw.items() if v is not None}
@@ -157,7 +163,8 @@ class EpochConfig:
         if name not in table:
             raise ValueError(f"epoch config {name!r}: allowed {', '.join(CONFIGS)}")
         return cls(name=name, atlas_params=ap, path=path, path_model=path_model,
-                   margin_refresh=None if margin_refresh is None else float(margin_refresh), **table[name])
+                   margin_refresh=None if margin_refresh is None else float(margin_refresh),
+                   lsp_drift=None if lsp_drift is None else float(lsp_drift), **table[name])
 
 
 @dataclass

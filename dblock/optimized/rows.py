@@ -79,6 +79,7 @@ class LayerCall:
     paths: Counter = field(default_factory=Counter)   # this layer's path counters, over blocks
     idx_S: Optional[torch.Tensor] = None          # rows served from the cache (_check_cache)
     age_S: Optional[torch.Tensor] = None          # their cache ages
+    drift_S: Optional[torch.Tensor] = None        # their relative MoE-input drift (_drift_gate; None when it is off)
     build: list = field(default_factory=list)     # plan indices whose support is (re)built now
     idx_F: Optional[torch.Tensor] = None          # fresh rows, in order (_compact)
     x_FH: Optional[torch.Tensor] = None

@@ -29,12 +29,17 @@ PHRASES = {
     "cache-newly-decoded": "newly decoded row served from the cache",
     "route-outside-support": "routed (row, expert) pairs outside the support",
     "skip-live-logits": "live row without its LM head",
+    "drift-unchecked": "served an entry whose MoE input moved by",
 }
+#: the knobs a fault needs to have something to break: drift-unchecked skips LSP's drift bound, so one must be set
+#: (ε = 0: any row whose input moved at all must not be served)
+FAULT_KW = {"drift-unchecked": {"lsp_drift": 0.0}}
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_each_injected_fault_is_caught_and_named(fault):
-    rep = run_verify(MODEL, PROMPTS, DEC, faults=[fault], e2e=False, max_disagreement=1.0)
+    rep = run_verify(MODEL, PROMPTS, DEC, faults=[fault], e2e=False, max_disagreement=1.0,
+                     epoch_kw=FAULT_KW.get(fault))
     assert rep["exit"]["status"] == 1
     assert FAULTS[fault] in broken(rep)
     reason = next(r for r in rep["exit"]["reasons"] if r.startswith(f"invariant {FAULTS[fault]} broken"))
@@ -54,7 +59,7 @@ def test_audit_only_checks_catch_the_faults_too(fault):
     """`check_executor` judges a plain run (no shadow) from the audit records alone."""
     from dblock.forward import Segment, StepInput, block_causal
     from dblock.decoding.generate import generate
-    f = audited_epoch_forward(MODEL, "epoch", faults=[fault])
+    f = audited_epoch_forward(MODEL, "epoch", faults=[fault], **FAULT_KW.get(fault, {}))
     if fault == "skip-live-logits":     # a schedule cannot even consume its output: one hand-driven pass
         M = MODEL.config.mask_token_id
         t = torch.tensor([5, 6, M, M, M, 7, M, M])
