@@ -59,8 +59,10 @@ def temperature(n: int, n_total: int, t_max: float, t_min: float) -> torch.Tenso
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """(..., V) -> (...) entropy of softmax(logits), as torch.distributions.Categorical computes it."""
-    return torch.distributions.Categorical(logits=logits).entropy()
+    """(..., V) -> (...) entropy of softmax(logits), as torch.distributions.Categorical computes it (its argument
+    check skipped: it is a third of the call, and a NaN in the logits is refused by the multinomial draw of the same
+    step anyway)."""
+    return torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
 
 
 def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:

@@ -93,4 +93,4 @@ class GemmaStages(TorchStages):
         w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         z = F.linear(self.norm(model.norm, hidden_XH), w).float()
         cap = model.config.final_logit_softcapping
-        return torch.tanh(z / cap) * cap
+        return z.div_(cap).tanh_().mul_(cap)            # z is this call's own GEMM output: soft-capped in place
