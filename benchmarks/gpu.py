@@ -10,7 +10,7 @@ then dense vs epoch at batch 32-512 on a random LLaDA2.0-mini-shaped config. One
                                                    # shared memory and spills (cuobjdump) per kernel
 
 Sections (every row says what was compared and how it went; a failing row does not stop the run):
-  kernels   route, align, grouped SwiGLU MLP, compact, merge, attention (Native and OBA-paired layouts over a
+  kernels   route, align, grouped SwiGLU MLP (and its GeGLU variant, DiffusionGemma's experts), compact, merge, attention (Native and OBA-paired layouts over a
             prefix cache), LM head of live rows. Check: vs the `*_torch` golden model (bf16 inputs upcast to fp32;
             atol 2e-2, integers exact, routing ids as per-row sets). Times: medians of `triton.testing.do_bench`
             for the kernel and its torch baselines (`F.grouped_mm`, SDPA with a dense mask, compiled
@@ -168,6 +168,19 @@ def kernel_rows(b: Bench, S: dict) -> None:
         b.row("kernels", "grouped_mlp", f"F{F} K{K} E{E} H{H} I{I}", msg, ok,
               b.ms(lambda: grouped_mlp_triton(x, ids_v, wr, wg, wu, wd)), base)
     b.guard("kernels", "grouped_mlp", mlp)
+
+    # the same kernel as DiffusionGemma's GeGLU experts: the tanh GELU, gate and up as views of one (E, 2I, H) tensor
+    gu = torch.cat([wg, wu], dim=1)
+
+    def geglu():
+        from dblock.optimized.freshlane import grouped_geglu_torch
+        y = grouped_mlp_triton(x, ids_v, wr, gu[:, :I], gu[:, I:], wd, activation="gelu_tanh")
+        ref = grouped_mlp_torch(x.float(), ids_v, wr, wg.float(), wu.float(), wd.float(), activation="gelu_tanh")
+        ok, msg = close(y, ref, atol)
+        b.row("kernels", "grouped_mlp geglu", f"F{F} K{K} E{E} H{H} I{I}", msg, ok,
+              b.ms(lambda: grouped_mlp_triton(x, ids_v, wr, gu[:, :I], gu[:, I:], wd, activation="gelu_tanh")),
+              {"grouped_geglu_torch": b.ms(lambda: grouped_geglu_torch(x, ids_v, wr, gu, wd))})
+    b.guard("kernels", "grouped_mlp geglu", geglu)
 
     # compact and merge (half the rows fresh, a quarter served from a cache buffer)
     T = 4 * F
@@ -494,6 +507,10 @@ def compile_rows(b: Bench, compiled: list) -> None:
         variant(f"grouped_mlp {str(dt)[6:]} F{F}", lambda dt=dt, F=F, idsF=idsF: grouped_mlp.grouped_mlp_triton(
             torch.randn(F, H).to(dt), idsF, torch.rand(F, K_), torch.empty(E, I, H, dtype=dt),
             torch.empty(E, I, H, dtype=dt), torch.empty(E, H, I, dtype=dt)))
+    gu_ = torch.empty(E, 2 * I, H, dtype=bf)
+    variant("grouped_mlp geglu bf16 F256", lambda: grouped_mlp.grouped_mlp_triton(
+        torch.randn(256, H).to(bf), torch.stack([torch.randperm(E)[:K_] for _ in range(256)]), torch.rand(256, K_),
+        gu_[:, :I], gu_[:, I:], torch.empty(E, H, I, dtype=bf), activation="gelu_tanh"))
     x = torch.randn(1024, H).to(bf)
     variant("compact", lambda: compact.compact_triton(x, torch.arange(0, 1024, 2)))
     variant("merge", lambda: compact.merge_triton(x[:512], compact.positions_of(torch.arange(0, 1024, 2), 1024), x,

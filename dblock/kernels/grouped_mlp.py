@@ -1,13 +1,15 @@
-"""Grouped SwiGLU expert MLP over a routed worklist (FreshLane's expert stage, docs/algorithms.md §4.4).
+"""Grouped gated expert MLP over a routed worklist (FreshLane's expert stage, docs/algorithms.md §4.4): SwiGLU (the LLaDA
+families) or GeGLU with the tanh GELU (DiffusionGemma, `activation="gelu_tanh"`).
 
 Letter legend: F rows, H hidden, E experts, I expert width, K slots per row, P = F*K flat pairs
 (pair p = f*K + k), BM = BLOCK_M rows of one M-block, MB M-blocks (see align.py for the layout).
 
-    y[f] = Σ_k w[f,k] · down_e(silu(gate_e x_f) · up_e x_f),   e = ids[f,k];  slots with e = -1 contribute nothing
+    y[f] = Σ_k w[f,k] · down_e(act(gate_e x_f) · up_e x_f),   e = ids[f,k];  slots with e = -1 contribute nothing
+    act = silu, or gelu_tanh(x) = x · σ(2u), u = √(2/π)(x + 0.044715 x³)  (= 0.5x(1 + tanh u))
 
 Three kernels over the `align` layout (vLLM fused_moe's structure):
   gate_up   one program per (M-block, I-tile): the M-block's expert e; A rows gathered in the load from x by
-            pair // K (no permuted copy of the activations); h = silu(x Wg_e^T) * (x Wu_e^T) stored by pair into
+            pair // K (no permuted copy of the activations); h = act(x Wg_e^T) * (x Wu_e^T) stored by pair into
             h_PI (pair order, x's dtype).
   down      one program per (M-block, H-tile): h rows gathered by pair, h Wd_e^T times the routing weight
             w[pair], stored by pair into o_PH (fp32): the scatter happens in the store.
@@ -28,15 +30,22 @@ from dblock.kernels.align import align_triton
 # golden model
 # ---------------------------------------------------------------------------------------------------------------
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
+    return F_.silu(x) if activation == "silu" else F_.gelu(x, approximate="tanh")
+
+
 def grouped_mlp_torch(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.Tensor, w_gate_EIH: torch.Tensor,
-                      w_up_EIH: torch.Tensor, w_down_EHI: torch.Tensor) -> torch.Tensor:
+                      w_up_EIH: torch.Tensor, w_down_EHI: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Per-expert loop (one pass per expert that has rows); accumulates in fp32 (fp64 for fp64), returns x's dtype."""
     acc = torch.promote_types(x_FH.dtype, torch.float32)
     out = torch.zeros(x_FH.shape, dtype=acc, device=x_FH.device)
     for e in ids_FK[ids_FK >= 0].unique().tolist():
         rows, slots = (ids_FK == e).nonzero(as_tuple=True)
         xe = x_FH[rows]
-        ye = F_.linear(F_.silu(F_.linear(xe, w_gate_EIH[e])) * F_.linear(xe, w_up_EIH[e]), w_down_EHI[e])
+        ye = F_.linear(_act(F_.linear(xe, w_gate_EIH[e]), activation) * F_.linear(xe, w_up_EIH[e]), w_down_EHI[e])
         out.index_add_(0, rows, ye.to(acc) * w_FK[rows, slots, None].to(acc))
     return out.to(x_FH.dtype)
 
@@ -69,7 +78,7 @@ if triton is not None:
     def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, expert_ptr, npost_ptr, P, H, I,
                        stride_xf, stride_we, stride_wi, stride_hp,
                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       F32: tl.constexpr):
+                       F32: tl.constexpr, GELU: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
@@ -100,7 +109,11 @@ if triton is not None:
             else:                                                           # 16-bit operands, fp32 accumulation
                 acc_g = tl.dot(a, bg, acc_g)
                 acc_u = tl.dot(a, bu, acc_u)
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        if GELU:                                    # tanh GELU as x·σ(2u): 0.5x(1 + tanh u) = x·σ(2u)
+            u = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+            h = acc_g * tl.sigmoid(2.0 * u) * acc_u
+        else:                                       # SiLU
+            h = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_hp + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=valid[:, None] & nmask[None, :])
 
@@ -165,9 +178,11 @@ def pick_block_m(P: int, E: int) -> int:
 def grouped_mlp_triton(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.Tensor, w_gate_EIH: torch.Tensor,
                        w_up_EIH: torch.Tensor, w_down_EHI: torch.Tensor, block_m: int | None = None,
                        block_n: int | None = None, block_k: int | None = None,
-                       exact_grid: bool | None = None) -> torch.Tensor:
+                       exact_grid: bool | None = None, activation: str = "silu") -> torch.Tensor:
     """Launcher: x (F, H), ids (F, K) int64 (-1 = none), w (F, K) fp32, weights (E, I, H), (E, I, H), (E, H, I),
-    all contiguous, x and weights of one float dtype. -> (F, H) in x's dtype.
+    x and weights of one float dtype; the down weights contiguous, the gate and up weights contiguous along H with
+    one shared layout (so the two halves of a fused (E, 2I, H) gate_up tensor can be passed as views).
+    `activation`: silu (SwiGLU) or gelu_tanh (GeGLU). -> (F, H) in x's dtype.
 
     exact_grid: launch num_post_padded / BM M-blocks (reads the count on the host) instead of the static upper
     bound MB whose surplus programs return at once. Default: on under the interpreter (a host read is free there
@@ -179,8 +194,14 @@ def grouped_mlp_triton(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.Ten
     K = ids_FK.shape[1]
     assert ids_FK.shape[0] == F and w_FK.shape == ids_FK.shape, \
         f"ids {tuple(ids_FK.shape)} / weights {tuple(w_FK.shape)} do not match {F} rows"
-    for name, t in (("w_gate_EIH", w_gate_EIH), ("w_up_EIH", w_up_EIH), ("w_down_EHI", w_down_EHI)):
-        check(t, name, x_FH.dtype, ndim=3, contiguous=True)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: allowed {', '.join(ACTIVATIONS)}")
+    check(w_down_EHI, "w_down_EHI", x_FH.dtype, ndim=3, contiguous=True)
+    for name, t in (("w_gate_EIH", w_gate_EIH), ("w_up_EIH", w_up_EIH)):
+        check(t, name, x_FH.dtype, ndim=3)
+        if t.stride(2) != 1 or t.stride() != w_gate_EIH.stride():
+            raise ValueError(f"{name}: strides {t.stride()} (gate {w_gate_EIH.stride()}): the gate and up weights "
+                             "must be contiguous along H and share one layout")
     E, I, H2 = w_gate_EIH.shape
     assert H2 == H and w_up_EIH.shape == (E, I, H) and w_down_EHI.shape == (E, H, I), \
         f"expert weights {tuple(w_gate_EIH.shape)}, {tuple(w_up_EIH.shape)}, {tuple(w_down_EHI.shape)} vs H={H}"
@@ -207,7 +228,7 @@ def grouped_mlp_triton(x_FH: torch.Tensor, ids_FK: torch.Tensor, w_FK: torch.Ten
     gate_up_kernel[(MB, triton.cdiv(I, BN_I))](
         x_FH, w_gate_EIH, w_up_EIH, h_PI, sorted_ids, expert_ids, npost, P, H, I,
         x_FH.stride(0), w_gate_EIH.stride(0), w_gate_EIH.stride(1), h_PI.stride(0),
-        K=K, BLOCK_M=BM, BLOCK_N=BN_I, BLOCK_K=BK_H, F32=F32)
+        K=K, BLOCK_M=BM, BLOCK_N=BN_I, BLOCK_K=BK_H, F32=F32, GELU=activation == "gelu_tanh")
     down_kernel[(MB, triton.cdiv(H, BN_H))](
         h_PI, w_down_EHI, w_FK, o_PH, sorted_ids, expert_ids, npost, P, H, I,
         h_PI.stride(0), w_down_EHI.stride(0), w_down_EHI.stride(1), o_PH.stride(0),

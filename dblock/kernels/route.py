@@ -185,5 +185,6 @@ def route_args(cfg) -> dict:
     """Keyword arguments of route_* for a ModelConfig (family rule)."""
     sig = cfg.score_function == "sigmoid"
     return dict(top_k=cfg.num_experts_per_tok, sigmoid=sig, n_group=cfg.n_group if sig else 1,
-                topk_group=cfg.topk_group if sig else 1, renormalize=bool(cfg.norm_topk_prob),
+                topk_group=cfg.topk_group if sig else 1,
+                renormalize=bool(getattr(cfg, "norm_topk_prob", False)),   # DiffusionGemma: none (it renormalises itself)
                 scale=float(cfg.routed_scaling_factor) if sig else 1.0)

@@ -31,8 +31,9 @@ differently from the reference's per-expert loop and explicit softmax in the las
 fp32 row of tests/conftest.py's tolerance table, tokens identical up to the batch-composition caveat of
 docs/algorithms.md §2.3; fp64: torch has no grouped GEMM for it, the per-expert loop runs, tokens identical).
 
-The Triton stack (`EpochConfig.use_triton`) implements the LLaDA families' SwiGLU experts, sigmoid group-limited
-routing and attention without sliding windows; it is refused here with a clear error. Expert parallelism: the
+The Triton stack (`EpochConfig.use_triton`, `gemma_stages.GemmaTritonStages`): the routing kernel (softmax rule),
+the grouped expert kernel with the tanh GELU and the compaction kernels; attention (sliding windows), the norms and
+the soft-capped LM head stay in torch, which the kernels do not implement. Expert parallelism: the
 dispatcher contract is the LLaDA executor's (`freshlane.LocalDispatcher`, `ep_dispatch.EPDispatcher`): the experts'
 inputs are the normed rows (`_run_experts`); tokens and logits at two gloo ranks equal world size 1.
 
@@ -114,9 +115,8 @@ class GemmaEpochExecutor(EpochExecutor):
 
     def _make_stages(self):
         if self.ecfg.use_triton:
-            raise ValueError("--use-triton: the Triton stack implements the LLaDA families' SwiGLU experts, sigmoid "
-                             "group-limited routing and attention without sliding windows; DiffusionGemma runs the "
-                             "epoch executor's torch stages (drop --use-triton)")
+            from dblock.optimized.gemma_stages import GemmaTritonStages
+            return GemmaTritonStages(self.config)
         return GemmaStages(grouped_mm=True)
 
     @property

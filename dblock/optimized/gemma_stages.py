@@ -94,3 +94,46 @@ class GemmaStages(TorchStages):
         z = F.linear(self.norm(model.norm, hidden_XH), w).float()
         cap = model.config.final_logit_softcapping
         return z.div_(cap).tanh_().mul_(cap)            # z is this call's own GEMM output: soft-capped in place
+
+
+class GemmaTritonStages(GemmaStages):
+    """`--use-triton` on DiffusionGemma: the Triton kernels where they implement this family's arithmetic, the torch
+    stages of `GemmaStages` elsewhere.
+
+      route / route_all  `kernels.route` with the softmax rule (no groups, no renormalisation: the executor
+                         renormalises and scales, `GemmaMoe.weights`), every expert eligible for route_all
+      experts            `kernels.grouped_mlp` with the tanh GELU (GeGLU), the fused (E, 2I, H) gate_up weights
+                         passed as their two (E, I, H) halves (views, no copy)
+      compact / scatter  `kernels.compact`
+      attend, norms, self-conditioning, LM head: torch — the attention kernel has no sliding window and the
+                         LM-head kernel neither this family's norm nor its logit soft-cap
+    """
+
+    name = "triton-gemma"
+    route_all = None                     # `MoeSteps._route_rows` then routes with every expert through `route`
+
+    def __init__(self, config):
+        super().__init__(grouped_mm=False)
+        from dblock.kernels.stack import TritonStages
+        self.triton = TritonStages(config)
+
+    def route(self, logits_FE, bias_E, cfg, allowed_FE):
+        return self.triton.route(logits_FE, bias_E, cfg, allowed_FE)
+
+    def experts(self, x_FH, ids_FK, w_FK, w_gate_up_EJH, w_down_EHI):
+        from dblock.kernels.grouped_mlp import grouped_mlp_triton
+        self.triton._check_dtype(x_FH, "the experts")
+        self.triton.device = dev = x_FH.device
+        I = w_down_EHI.shape[2]
+        gu = w_gate_up_EJH.contiguous()
+        return grouped_mlp_triton(x_FH.contiguous(), ids_FK.to(dev).contiguous(),
+                                  w_FK.to(dev, torch.float32).contiguous(), gu[:, :I], gu[:, I:],
+                                  w_down_EHI.contiguous(), activation="gelu_tanh")
+
+    experts_exact = experts
+
+    def compact(self, x_TH, idx_F):
+        return self.triton.compact(x_TH, idx_F)
+
+    def scatter(self, y_FH, idx_F, T):
+        return self.triton.scatter(y_FH, idx_F, T)

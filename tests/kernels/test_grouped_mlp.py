@@ -84,3 +84,28 @@ def test_launcher_asserts_layout():
         grouped_mlp_triton(x, ids, w, wg, wu, wd.transpose(1, 2).contiguous().transpose(1, 2))
     with pytest.raises(AssertionError, match="do not match"):
         grouped_mlp_triton(x, ids[:3], w[:3], wg, wu, wd)
+
+
+@pytest.mark.parametrize("kind", ["distinct", "invalid"])
+@pytest.mark.parametrize("F,K,E,H,I", [(1, 1, 4, 16, 16), (37, 3, 8, 40, 24)])
+def test_geglu_from_fused_gate_up_views_matches_fp64_reference(kind, F, K, E, H, I):
+    """DiffusionGemma's experts: the tanh GELU, the gate and up halves of one (E, 2I, H) tensor passed as views;
+    against the fp64 per-expert loop and the executor's own torch stage (`grouped_geglu_torch`)."""
+    from dblock.optimized.freshlane import grouped_geglu_torch
+    x, ids, w, wg, wu, wd = make(F, K, E, H, I, kind, seed=F + K)
+    gu = torch.cat([wg, wu], dim=1)                                  # (E, 2I, H), as the checkpoint stores it
+    y = grouped_mlp_triton(x, ids, w, gu[:, :I], gu[:, I:], wd, activation="gelu_tanh")
+    ref = grouped_mlp_torch(*f64(x, ids, w, wg, wu, wd), activation="gelu_tanh")
+    torch.testing.assert_close(y.double(), ref, **tol(torch.float32))
+    torch.testing.assert_close(grouped_geglu_torch(*f64(x, ids, w, gu, wd)), ref, **tol(torch.float64))
+    silu = grouped_mlp_torch(*f64(x, ids, w, wg, wu, wd))            # the activation really switched
+    assert not torch.allclose(silu, ref)
+
+
+def test_bad_activation_and_mismatched_gate_up_layouts_are_refused():
+    x, ids, w, wg, wu, wd = make(5, 2, 4, 16, 8, "distinct", 0)
+    with pytest.raises(ValueError, match="activation='relu'"):
+        grouped_mlp_triton(x, ids, w, wg, wu, wd, activation="relu")
+    gu = torch.cat([wg, wu], dim=1)
+    with pytest.raises(ValueError, match="share one layout"):
+        grouped_mlp_triton(x, ids, w, gu[:, :8], wu, wd)             # a view beside a contiguous tensor

@@ -113,3 +113,30 @@ def test_cli_generate_use_triton_in_a_fresh_process(tiny_dirs):
     ref = generate(epoch_forward(dblock.load(folder), "epoch"), [[int(x) for x in ids.split(",")]],
                    DecodeConfig(max_new_tokens=8, max_steps=3))
     assert got == ref.tokens
+
+
+def test_diffusion_gemma_runs_the_kernels_that_apply_and_keeps_the_reference_tokens():
+    """`--use-triton` on DiffusionGemma: routing, GeGLU experts and compaction through the kernels (attention, norms
+    and the soft-capped LM head in torch), full_compute and the Expert Atlas, tokens equal to the reference's."""
+    import dblock
+    from dblock.optimized.gemma_stages import GemmaTritonStages
+    m = dblock.load("tiny-uniform")
+    dec = DecodeConfig(rule="entropy-bound", max_new_tokens=16)
+    ps = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    ref = generate(m, ps, dec).tokens
+    for config, kw in (("full_compute", {}), ("epoch", {"atlas_B": 4})):
+        f = epoch_forward(m, config, use_triton=True, **kw)
+        assert isinstance(f.stages, GemmaTritonStages)
+        calls = {"route": 0, "experts": 0}
+        for name in calls:
+            inner = getattr(f.stages, name)
+
+            def counted(*a, _n=name, _f=inner):
+                calls[_n] += 1
+                return _f(*a)
+            setattr(f.stages, name, counted)
+        assert generate(f, ps, dec).tokens == ref
+        assert calls["route"] > 0 and calls["experts"] > 0          # the kernels ran, not the torch stages
+    m64 = dblock.load("tiny-uniform", dtype="float64")
+    with pytest.raises(ValueError, match="use-triton"):
+        generate(epoch_forward(m64, "full_compute", use_triton=True), ps[:1], dec)

@@ -136,8 +136,6 @@ def test_epoch_with_a_real_atlas_passes_verify_and_catches_a_routing_fault(m32):
 def test_family_classes_and_refusals(m32):
     with pytest.raises(ValueError, match="epoch_forward"):
         EpochExecutor(m32)
-    with pytest.raises(ValueError, match="--use-triton"):
-        epoch_forward(m32, "epoch", use_triton=True)
     f = epoch_forward(m32, "epoch")
     assert f._block_dense(16, 16)                      # B = min(E, 4K) = E: the Atlas is inert, dense path
     assert not epoch_forward(m32, "epoch", atlas_B=4)._block_dense(16, 16)
