@@ -181,15 +181,10 @@ class MoETimer:
 
 def parse_config(config: str):
     """`name`, `name@δ` (the margin-gated exact refresh of bound δ), `name~ε` (LSP's drift bound ε) or `name~ε@δ`
-    -> (name, δ or None). ε: `drift_of`."""
-    name, _, delta = config.partition("@")
-    return name.partition("~")[0], (float(delta) if delta else None)
-
-
-def drift_of(config: str):
-    """ε of `name~ε[@δ]`, else None."""
-    eps = config.partition("@")[0].partition("~")[2]
-    return float(eps) if eps else None
+    -> (name, δ or None, ε or None)."""
+    head, _, delta = config.partition("@")
+    name, _, eps = head.partition("~")
+    return name, (float(delta) if delta else None), (float(eps) if eps else None)
 
 
 def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
@@ -200,9 +195,8 @@ def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
         fwd = reference_forward(model)
         timer = MoETimer(model)
     else:
-        name, delta = parse_config(config)
-        fwd = epoch_forward(model, name, path=path, path_model=path_model, margin_refresh=delta,
-                            lsp_drift=drift_of(config))
+        name, delta, eps = parse_config(config)
+        fwd = epoch_forward(model, name, path=path, path_model=path_model, margin_refresh=delta, lsp_drift=eps)
     orig = fwd.denoise
     acc = {"cpu": 0.0, "wall": 0.0, "calls": 0, "rows": 0, "n_fresh": 0.0, "computed": 0, "layer_rows": 0,
            "moe_cpu": 0.0, "moe_bytes": 0, "moe_bytes_sum": 0, "dense_calls": 0, "sys": 0.0, "minflt": 0}
@@ -299,8 +293,7 @@ def parse_configs(s: str) -> list:
     for c in s.split(","):
         c = c.strip()
         try:
-            name, delta = parse_config(c)
-            eps = drift_of(c)
+            name, delta, eps = parse_config(c)
         except ValueError:
             name, delta, eps = None, None, None
         exact = name in ("dense", "full_compute")
@@ -407,12 +400,23 @@ def print_rows(rows):
               f"{r['speedup']:>8.2f} {100 * r['moe_share']:>5.1f} {r['fresh_frac']:>6.2f} {r['dense_calls']:>11.2f} "
               f"{mv:>10} {b:>6} {fb:>5} {r['moe_buffer_bytes'] / 2 ** 20:>7.2f}/"
               f"{r['moe_buffer_bytes_mean'] / 2 ** 20:<7.2f} "
-              f"{r['identical']:>6.2f}" + (f"  refreshed {r['refreshed_of_approx']:.2f} of approximate request "
-                                           f"passes ({r['refreshed_of_all']:.2f} of all)" if "margin_refresh" in r
-                                           else "") + (f"  next-line {r['next_line_exact']:.3f} token-acc {r['token_accuracy']:.3f} "
-                                         f"(delta CI {r['token_accuracy_delta_ci'][0]:+.3f}..."
-                                         f"{r['token_accuracy_delta_ci'][1]:+.3f})" if "token_accuracy" in r else ""),
-              flush=True)
+              f"{r['identical']:>6.2f}" + "".join(_row_notes(r)), flush=True)
+
+
+def _row_notes(r) -> list:
+    """What a row adds after its columns: the margin gate's re-runs, the drift bound's recomputed candidates, the
+    code task's quality."""
+    out = []
+    if "margin_refresh" in r:
+        out.append(f"  refreshed {r['refreshed_of_approx']:.2f} of approximate request passes "
+                   f"({r['refreshed_of_all']:.2f} of all)")
+    if "lsp_drift" in r:
+        out.append(f"  drift recomputed {r['drift_recomputed']:.2f} of cache candidates")
+    if "token_accuracy" in r:
+        lo, hi = r["token_accuracy_delta_ci"]
+        out.append(f"  next-line {r['next_line_exact']:.3f} token-acc {r['token_accuracy']:.3f} "
+                   f"(delta CI {lo:+.3f}...{hi:+.3f})")
+    return out
 
 
 def markdown(rows, meta) -> str:

@@ -79,14 +79,8 @@ class DriftUnchecked:
     MoE input moved past ε is served anyway."""
 
     def _drift_gate(self, c):
-        eps = self.ecfg.lsp_drift
-        if eps is None:
-            return super()._drift_gate(c)
-        self.ecfg = replace(self.ecfg, lsp_drift=float("inf"))
-        try:
-            super()._drift_gate(c)
-        finally:
-            self.ecfg = replace(self.ecfg, lsp_drift=eps)
+        if self.ecfg.lsp_drift is not None and c.idx_S.numel():
+            c.drift_S = self._served_drift(c)               # recorded for the audit, every row still served
 
 
 INJECTORS = {

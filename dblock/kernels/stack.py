@@ -77,14 +77,18 @@ class TritonStages:
         ids, w = route_triton(logits_FE.to(dev, torch.float32), bias, allowed_FE.to(dev), **self.rargs)
         return ids.to(logits_FE.device), w.to(logits_FE.device)
 
-    def experts(self, x_FH, ids_FK, w_FK, w_gate_EIH, w_up_EIH, w_down_EHI):
-        """Grouped SwiGLU over the fresh worklist, weighted and summed over slots -> (F, H)."""
+    def experts(self, x_FH, ids_FK, w_FK, w_gate_EIH, w_up_EIH, w_down_EHI, activation: str = "silu"):
+        """Grouped SwiGLU (GeGLU with activation="gelu_tanh") over the fresh worklist, weighted and summed over
+        slots -> (F, H). Gate and up weights that already share one H-contiguous layout (the two halves of a fused
+        gate_up tensor) are passed as they are."""
         self._check_dtype(x_FH, "the experts")
         self.device = x_FH.device
         dev = x_FH.device
+        if not (w_gate_EIH.stride(-1) == 1 and w_gate_EIH.stride() == w_up_EIH.stride()):
+            w_gate_EIH, w_up_EIH = w_gate_EIH.contiguous(), w_up_EIH.contiguous()
         return grouped_mlp_triton(x_FH.contiguous(), ids_FK.to(dev).contiguous(),
-                                  w_FK.to(dev, torch.float32).contiguous(), w_gate_EIH.contiguous(),
-                                  w_up_EIH.contiguous(), w_down_EHI.contiguous())
+                                  w_FK.to(dev, torch.float32).contiguous(), w_gate_EIH, w_up_EIH,
+                                  w_down_EHI.contiguous(), activation=activation)
 
     def compact(self, x_TH, idx_F):
         """Rows idx_F of x_TH -> (F, H)."""

@@ -121,14 +121,9 @@ class GemmaTritonStages(GemmaStages):
         return self.triton.route(logits_FE, bias_E, cfg, allowed_FE)
 
     def experts(self, x_FH, ids_FK, w_FK, w_gate_up_EJH, w_down_EHI):
-        from dblock.kernels.grouped_mlp import grouped_mlp_triton
-        self.triton._check_dtype(x_FH, "the experts")
-        self.triton.device = dev = x_FH.device
         I = w_down_EHI.shape[2]
         gu = w_gate_up_EJH.contiguous()
-        return grouped_mlp_triton(x_FH.contiguous(), ids_FK.to(dev).contiguous(),
-                                  w_FK.to(dev, torch.float32).contiguous(), gu[:, :I], gu[:, I:],
-                                  w_down_EHI.contiguous(), activation="gelu_tanh")
+        return self.triton.experts(x_FH, ids_FK, w_FK, gu[:, :I], gu[:, I:], w_down_EHI, activation="gelu_tanh")
 
     experts_exact = experts
 

@@ -136,10 +136,7 @@ class MoeSteps:
         eps = self.ecfg.lsp_drift
         if eps is None or c.idx_S.numel() == 0:
             return
-        dev = c.x_TH.device
-        x_w = self.arena.inputs[c.li].index_select(0, c.R.slot[c.idx_S].to(dev))
-        x = c.x_TH.index_select(0, c.idx_S.to(dev)).to(x_w.dtype)
-        rel = ((x - x_w).norm(dim=1) / x_w.norm(dim=1).clamp_min(torch.finfo(x_w.dtype).tiny)).cpu()
+        rel = self._served_drift(c)
         moved = ~(rel <= eps)                                # a NaN drift is not within the bound
         self.drift["checked"] += c.idx_S.numel()
         if bool(moved.any()):
@@ -148,6 +145,13 @@ class MoeSteps:
             keep = ~moved
             c.idx_S, c.age_S, rel = c.idx_S[keep], c.age_S[keep], rel[keep]
         c.drift_S = rel
+
+    def _served_drift(self, c: LayerCall) -> torch.Tensor:
+        """(S,) the relative drift ‖x − x_w‖₂ / ‖x_w‖₂ of the rows `idx_S` would serve, on the host."""
+        dev = c.x_TH.device
+        x_w = self.arena.inputs[c.li].index_select(0, c.R.slot[c.idx_S].to(dev))
+        x = c.x_TH.index_select(0, c.idx_S.to(dev)).to(x_w.dtype)
+        return ((x - x_w).norm(dim=1) / x_w.norm(dim=1).clamp_min(torch.finfo(x_w.dtype).tiny)).cpu()
 
     def _fall_back(self, c: LayerCall, p: int, why: str) -> None:
         """Plan p's rows all go fresh at this layer, counted with the reason."""

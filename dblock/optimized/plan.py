@@ -131,12 +131,10 @@ class EpochConfig:
               path_model: Optional[PathModel] = None, margin_refresh: Optional[float] = None,
               lsp_drift: Optional[float] = None, **atlas_kw) -> "EpochConfig":
         path = "auto" if path is None else path
-        if margin_refresh is not None and not float(margin_refresh) >= 0.0:
-            raise ValueError(f"margin_refresh={margin_refresh}: the logit bound δ must be >= 0 (inf: refresh every "
-                             "approximate pass), or None for off")
-        if lsp_drift is not None and not float(lsp_drift) >= 0.0:
-            raise ValueError(f"lsp_drift={lsp_drift}: the drift bound ε must be >= 0 (0: serve only rows whose MoE "
-                             "input did not move; inf: the age bound alone), or None for off")
+        margin_refresh = _bound("margin_refresh", margin_refresh, "the logit bound δ must be >= 0 (inf: refresh "
+                                "every approximate pass)")
+        lsp_drift = _bound("lsp_drift", lsp_drift, "the drift bound ε must be >= 0 (0: serve only rows whose MoE "
+                           "input did not move; inf: the age bound alone)")
         if path not in PASS_PATHS:
             raise ValueError(f"path={path!r}: allowed {', '.join(PASS_PATHS)}")
         atlas_kw = {k: v for k, v in atlas_kw.items() if v is not None}
@@ -162,9 +160,17 @@ class EpochConfig:
         }
         if name not in table:
             raise ValueError(f"epoch config {name!r}: allowed {', '.join(CONFIGS)}")
-        return cls(name=name, atlas_params=ap, path=path, path_model=path_model,
-                   margin_refresh=None if margin_refresh is None else float(margin_refresh),
-                   lsp_drift=None if lsp_drift is None else float(lsp_drift), **table[name])
+        return cls(name=name, atlas_params=ap, path=path, path_model=path_model, margin_refresh=margin_refresh,
+                   lsp_drift=lsp_drift, **table[name])
+
+
+def _bound(name: str, value, rule: str) -> Optional[float]:
+    """An optional non-negative bound (inf allowed) as a float; None stays None (off)."""
+    if value is None:
+        return None
+    if not float(value) >= 0.0:
+        raise ValueError(f"{name}={value}: {rule}, or None for off")
+    return float(value)
 
 
 @dataclass

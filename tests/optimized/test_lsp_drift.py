@@ -124,17 +124,14 @@ def test_bad_bounds_and_families_are_refused():
         epoch_forward(gemma, "full_compute", lsp_drift=0.1)
 
 
-def test_verify_prints_the_drift_bound_and_refuses_a_negative_one(tiny_dirs, tmp_path, capsys):
+def test_verify_prints_the_drift_bound_and_refuses_a_negative_one(verify_argv, capsys):
     from dblock.cli import main
-    p = tmp_path / "p.txt"
-    p.write_text("5,6,7,8,9,10,11\n3,4,5\n12,13,14,15,16,17,18,19,20\n")
-    status = main(["verify", "--model", tiny_dirs["llada2_moe"], "--prompts", str(p), "--max-new-tokens", "24",
-                   "--epoch-config", "no_atlas", "--lsp-drift", "0", "--no-probe"])
+    status = main(verify_argv + ["--max-new-tokens", "24", "--epoch-config", "no_atlas", "--lsp-drift", "0",
+                                 "--no-probe"])
     out = capsys.readouterr().out
     assert status == 0 and "LSP drift bound (ε = 0)" in out and "drift ok" in out
     assert "identical outputs 3/3" in out
-    assert main(["verify", "--model", tiny_dirs["llada2_moe"], "--prompts", str(p), "--lsp-drift", "-1"]) == 2
+    assert main(verify_argv + ["--lsp-drift", "-1"]) == 2
     assert "--lsp-drift -1: out of range" in capsys.readouterr().err
-    assert main(["verify", "--model", tiny_dirs["llada2_moe"], "--prompts", str(p), "--inject-fault",
-                 "drift-unchecked"]) == 2
+    assert main(verify_argv + ["--inject-fault", "drift-unchecked"]) == 2
     assert "give the epoch executor one with --lsp-drift" in capsys.readouterr().err

@@ -213,14 +213,11 @@ def test_perturbations_inside_the_radius_never_change_the_rules_decision(decode)
 
 # ---- the command line -------------------------------------------------------------------------------------
 
-def test_verify_prints_the_gate_and_an_infinite_bound_agrees_everywhere(tiny_dirs, tmp_path, capsys):
+def test_verify_prints_the_gate_and_an_infinite_bound_agrees_everywhere(verify_argv, capsys):
     from dblock.cli import main
-    p = tmp_path / "p.txt"
-    p.write_text("5,6,7,8,9,10,11\n3,4,5\n12,13,14,15,16,17,18,19,20\n")
-    status = main(["verify", "--model", tiny_dirs["llada2_moe"], "--prompts", str(p), "--max-new-tokens", "24",
-                   "--margin-refresh", "inf", "--atlas-B", "4", "--no-probe"])
+    status = main(verify_argv + ["--max-new-tokens", "24", "--margin-refresh", "inf", "--atlas-B", "4", "--no-probe"])
     out = capsys.readouterr().out
     assert status == 0 and "margin-gated exact refresh (δ = inf)" in out
     assert "decision agreement 100.00%" in out and "identical outputs 3/3" in out
-    assert main(["verify", "--model", tiny_dirs["llada2_moe"], "--prompts", str(p), "--margin-refresh", "-1"]) == 2
+    assert main(verify_argv + ["--margin-refresh", "-1"]) == 2
     assert "--margin-refresh -1: out of range" in capsys.readouterr().err
