@@ -64,6 +64,7 @@ class WorkStats:
     ctx_q95: float           # P95 of prompt + answer (KV reserved per running request)
     live: float
     fresh: float
+    block_q95: float = float("nan")   # P95 over commits of a block's passes (the block latency in iterations)
 
     @property
     def cache_len(self) -> float:
@@ -88,7 +89,7 @@ def _work_stats(C, profile, schedule, alpha, prompt, tokens, n, seed, m_c) -> Wo
     rng = np.random.default_rng([seed, 31])
     pd, td = Dist.parse(prompt), Dist.parse(tokens)
     model = PositionModel(profile, delta=alpha if schedule == "oba" else 0.0)
-    ratios, firsts, totals, ps, ys, lives, freshes = [], [], [], [], [], [], []
+    ratios, firsts, totals, ps, ys, lives, freshes, blocks_n = [], [], [], [], [], [], [], []
     for i in range(n):
         P = max(1, int(round(pd.sample(rng))))
         Y = max(1, int(round(td.sample(rng))))
@@ -99,6 +100,7 @@ def _work_stats(C, profile, schedule, alpha, prompt, tokens, n, seed, m_c) -> Wo
             npass = int(math.ceil(b.passes - 1e-9))
             tok = C if k < K - 1 else Y - C * (K - 1)
             ratios.append(npass / tok)
+            blocks_n.append(npass)
             tot += npass
             lv, fr = per_pass(b.accept, m_c, n=npass)
             lives.extend(lv)
@@ -110,7 +112,7 @@ def _work_stats(C, profile, schedule, alpha, prompt, tokens, n, seed, m_c) -> Wo
     ctx = np.asarray(ps) + np.asarray(ys)
     return WorkStats(float(np.mean(totals)), float(np.percentile(ratios, 95)), float(np.percentile(firsts, 95)),
                      float(np.mean(ps)), float(np.mean(ys)), float(np.percentile(ctx, 95)), float(np.mean(lives)),
-                     float(np.mean(freshes)))
+                     float(np.mean(freshes)), float(np.percentile(blocks_n, 95)))
 
 
 @dataclass(frozen=True)
@@ -197,8 +199,8 @@ class Evaluator:
         t, B = s
         # the running batch fluctuates (Poisson-like about its mean): the tails see a batch one P95 swing above it
         t_hi = self.pass_s(high_batch(B), lam * t * (self.ws.prompt_mean + self.ws.y_mean))
-        return dict(iteration_s=t, batch=B, p95_itl_s=t_hi * self.ws.ratio_q95,
-                    p95_ttft_s=t_hi * (self.ws.first_q95 + 1))
+        return dict(iteration_s=t, batch=B, p95_itl_s=t_hi * self.ws.block_q95,
+                    p95_itl_token_s=t_hi * self.ws.ratio_q95, p95_ttft_s=t_hi * (self.ws.first_q95 + 1))
 
     def memory(self, cap: int) -> cost.Memory:
         ws = self.ws
@@ -244,10 +246,11 @@ class Inputs:
     tokens: str = "lognormal:512,0.5"
     slo_itl: float | None = None
     slo_ttft: float | None = None
-    profile: Profile | None = None      # Native decode profile (None: uniform, passes gamma:10,0.3)
+    profile: Profile | None = None      # Native decode profile (None: uniform, `papers.default_passes`)
     uniform_state: bool = False
     alpha: float = ALPHA_OBA
     cal: cost.Calibration = field(default_factory=cost.Calibration)
+    cal_name: str = "pure roofline"     # where `cal` comes from, for the table
     gpus: tuple = GPUS_PER_REPLICA
     caps: tuple = CAPS
     executors: tuple = EXECUTORS
@@ -261,7 +264,8 @@ class Inputs:
 
     def __post_init__(self):
         if self.profile is None:
-            self.profile = ParametricProfile(C=self.cfg.block_size, passes="gamma:10,0.3")
+            from dblock.simulator.papers import default_passes
+            self.profile = ParametricProfile(C=self.cfg.block_size, passes=default_passes(self.model))
 
     @property
     def schedules(self) -> tuple:
@@ -473,7 +477,8 @@ def simulate(inp: Inputs, ev: Evaluator, plan: dict) -> dict:
     meets = (not res.oom and keeps_up and (inp.slo_itl is None or itl <= inp.slo_itl)
              and (inp.slo_ttft is None or ttft <= inp.slo_ttft))
     return dict(p95_itl_s=itl, p95_ttft_s=ttft, throughput_tok_s=res.throughput, peak_batch=res.peak_batch,
-                oom=res.oom, stable=res.stable, meets=bool(meets), requests=sc.requests)
+                oom=res.oom, stable=res.stable, meets=bool(meets), requests=sc.requests,
+                p95_itl_token_s=res.itl_token.get("p95"), p95_itl_block_s=res.itl_block.get("p95"))
 
 
 def serve_config(inp: Inputs, ev: Evaluator, plan: dict):
