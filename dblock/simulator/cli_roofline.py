@@ -45,7 +45,10 @@ def add_parsers(sub, common) -> None:
     se.set_defaults(_run=_search)
     _serve_args(se)
     se.add_argument("--slo", type=float, required=True,
-                    help="P95 equivalent ITL objective (seconds)")
+                    help="P95 ITL objective (seconds), of the --itl-definition")
+    se.add_argument("--itl-definition", default="epoch", choices=["epoch", "dblock", "token", "block"],
+                    help="which ITL --slo holds (see `simulate serve`; default epoch: the Epoch paper's, a block's "
+                         "latency)")
     se.add_argument("--caps", default="32,64,128,256,512", help="batch caps to try (comma-separated)")
     se.add_argument("--rate-max", type=float_arg(0.0, 1e6, lo_open=True), default=64.0,
                     help="upper end of the rate bisection (req/s)")
@@ -70,13 +73,6 @@ def _serve_args(sp):
                          "llada2-mini gamma:12.55,0.3, llada2-flash gamma:10.03,0.3; else gamma:10,0.3)")
     sp.add_argument("--requests", type=int_arg(1, 1_000_000), default=300, help="requests per simulated run")
     _liveness_arg(sp)
-
-
-ITL_DEFS = dict(
-    equivalent="Epoch paper's equivalent ITL: a block's latency, its commit minus its first pass, one sample per block",
-    token="SGLang bench_serving's per-token ITL: the gap between two commits spread over the tokens committed, one "
-          "sample per token",
-    block="vLLM bench serve's per-block ITL: the gap between two commits, one sample per commit after the first")
 
 
 def _calibration_args(sp):
@@ -243,7 +239,7 @@ def _serve(args) -> int:
     arrivals = _read_arrivals(args.arrivals) if args.arrivals else None
     rates = [None] if arrivals else _positive_floats(args.rates, "--rates")
     curves: dict = {}
-    lines = [f"{'path':6s} {'rate':>6s} {'P50 eqITL':>10s} {'P95 eqITL':>10s} {'P95 token':>10s} "
+    lines = [f"{'path':6s} {'rate':>6s} {'P50 epoch':>10s} {'P95 epoch':>10s} {'P95 dblock':>10s} {'P95 token':>10s} "
              f"{'P95 block':>10s} {'P95 TTFT s':>10s} {'tok/s':>8s} {'peak B':>6s} OOM   keeps up"]
     total = len(paths) * len(rates)
     bar = None
@@ -258,10 +254,12 @@ def _serve(args) -> int:
             res = simulate_serving(sc)
             rate = lam if lam is not None else len(arrivals) / max(1e-9, max(arrivals) - min(arrivals))
             curves[path].append(dict(rate=rate, p95_itl=res.itl["p95"], itl=res.itl, itl_token=res.itl_token,
-                                     itl_block=res.itl_block, ttft=res.ttft, throughput=res.throughput,
-                                     peak_batch=res.peak_batch, oom=res.oom, stable=res.stable))
-            lines.append(f"{path:6s} {rate:6.2f} {1e3 * res.itl['p50']:10.1f} {1e3 * res.itl['p95']:10.1f} "
-                         f"{1e3 * res.itl_token['p95']:10.1f} {1e3 * res.itl_block['p95']:10.1f} "
+                                     itl_block=res.itl_block, itl_epoch=res.itl_epoch, ttft=res.ttft,
+                                     throughput=res.throughput, peak_batch=res.peak_batch, oom=res.oom,
+                                     stable=res.stable))
+            lines.append(f"{path:6s} {rate:6.2f} {1e3 * res.itl_epoch['p50']:10.1f} {1e3 * res.itl_epoch['p95']:10.1f} "
+                         f"{1e3 * res.itl['p95']:10.2f} {1e3 * res.itl_token['p95']:10.2f} "
+                         f"{1e3 * res.itl_block['p95']:10.1f} "
                          f"{res.ttft['p95']:10.2f} {res.throughput:8.0f} {res.peak_batch:6d} {str(res.oom):5s} "
                          f"{res.stable}")
             if bar is not None:
@@ -271,13 +269,12 @@ def _serve(args) -> int:
     if args.plot:
         from dblock.simulator import plots
         plots.itl_vs_rate(curves, args.plot)
-    lines.append("ITL in ms, three definitions: eqITL = the Epoch paper's equivalent ITL, a block's latency from its "
-                 "first pass to its commit, one sample per block; token = SGLang bench_serving's per-token ITL (the "
-                 "gap between commits spread over the tokens committed); block = vLLM bench serve's per-block ITL "
-                 "(the gap between commits, the first one excluded)")
+    from dblock.simulator.serving import ITL_DEFINITIONS
+    lines.append("ITL in ms, four definitions: " + "; ".join(f"{k} = {v}" for k, v in ITL_DEFINITIONS.items()))
     _emit(args, dict(curves=curves, calibration=_cal_source(args),
-                     itl_definitions=dict(itl=ITL_DEFS["equivalent"], itl_token=ITL_DEFS["token"],
-                                          itl_block=ITL_DEFS["block"])), "\n".join(lines))
+                     itl_definitions=dict(itl=ITL_DEFINITIONS["dblock"], itl_epoch=ITL_DEFINITIONS["epoch"],
+                                          itl_token=ITL_DEFINITIONS["token"], itl_block=ITL_DEFINITIONS["block"])),
+          "\n".join(lines))
     return 0
 
 
@@ -289,10 +286,11 @@ def _search(args) -> int:
     data, lines = {}, []
     for path in paths:
         res = best_batch_cap(_serve_config(args, path), args.slo, _ints(args.caps, "--caps"),
-                             progress=show_progress(args), rate_hi=args.rate_max)
+                             progress=show_progress(args), rate_hi=args.rate_max, itl=args.itl_definition)
         data[path] = res
         b = res["best"]
-        lines.append(f"{path}: best batch cap {b['batch_cap']} holds P95 ITL <= {1e3 * args.slo:.0f} ms up to "
+        lines.append(f"{path}: best batch cap {b['batch_cap']} holds P95 ITL ({args.itl_definition}) <= "
+                     f"{1e3 * args.slo:.0f} ms up to "
                      f"{b['max_rate']:.2f} req/s")
         for row in res["table"]:
             lines.append(f"   cap {row['batch_cap']:5d}: max rate {row['max_rate']:.2f} req/s")

@@ -152,8 +152,9 @@ def batch_for_cap(cap: int) -> float:
 class Evaluator:
     """The analytic model of one replica shape on one hardware (module docstring, steps 2 and 3)."""
 
-    def __init__(self, cfg: ModelConfig, hw: Hardware, shape: Shape, cal: cost.Calibration, ws: WorkStats):
-        self.cfg, self.hw, self.shape, self.cal, self.ws = cfg, hw, shape, cal, ws
+    def __init__(self, cfg: ModelConfig, hw: Hardware, shape: Shape, cal: cost.Calibration, ws: WorkStats,
+                 itl: str = "epoch"):
+        self.cfg, self.hw, self.shape, self.cal, self.ws, self.itl = cfg, hw, shape, cal, ws, itl
         self.par = shape.par
         self.layout = "oba" if shape.schedule == "oba" else "native"
 
@@ -199,8 +200,9 @@ class Evaluator:
         t, B = s
         # the running batch fluctuates (Poisson-like about its mean): the tails see a batch one P95 swing above it
         t_hi = self.pass_s(high_batch(B), lam * t * (self.ws.prompt_mean + self.ws.y_mean))
-        return dict(iteration_s=t, batch=B, p95_itl_s=t_hi * self.ws.block_q95,
-                    p95_itl_token_s=t_hi * self.ws.ratio_q95, p95_ttft_s=t_hi * (self.ws.first_q95 + 1))
+        # a block's latency in iterations: its passes (epoch, block); per token: passes / tokens (dblock, token)
+        per = self.ws.block_q95 if self.itl in ("epoch", "block") else self.ws.ratio_q95
+        return dict(iteration_s=t, batch=B, p95_itl_s=t_hi * per, p95_ttft_s=t_hi * (self.ws.first_q95 + 1))
 
     def memory(self, cap: int) -> cost.Memory:
         ws = self.ws
@@ -251,6 +253,7 @@ class Inputs:
     alpha: float = ALPHA_OBA
     cal: cost.Calibration = field(default_factory=cost.Calibration)
     cal_name: str = "pure roofline"     # where `cal` comes from, for the table
+    itl: str = "epoch"                  # the ITL definition the SLO holds (serving.ITL_DEFINITIONS)
     gpus: tuple = GPUS_PER_REPLICA
     caps: tuple = CAPS
     executors: tuple = EXECUTORS
@@ -348,7 +351,7 @@ def search(inp: Inputs, progress: bool = False) -> Result:
     cands, dropped, evs = [], [], {}
     lam_hi = max(1.0, inp.rate) * 1e3
     for sh in shapes:
-        ev = Evaluator(inp.cfg, inp.hardware[sh.hardware], sh, inp.cal, wss[sh.schedule])
+        ev = Evaluator(inp.cfg, inp.hardware[sh.hardware], sh, inp.cal, wss[sh.schedule], inp.itl)
         plan, why = _plan_shape(inp, ev, lam_hi)
         if plan is None:
             dropped.append((sh, why))
@@ -434,7 +437,7 @@ def search(inp: Inputs, progress: bool = False) -> Result:
 
 def _ev_of(inp: Inputs, p: dict, wss: dict) -> Evaluator:
     sh = Shape(p["hardware"], p["gpus_per_replica"], p["tp"], p["ep"], p["sp"], p["executor"], p["schedule"])
-    return Evaluator(inp.cfg, inp.hardware[sh.hardware], sh, inp.cal, wss[sh.schedule])
+    return Evaluator(inp.cfg, inp.hardware[sh.hardware], sh, inp.cal, wss[sh.schedule], inp.itl)
 
 
 def _binding(dropped: list, inp: Inputs) -> str:
@@ -471,14 +474,14 @@ def simulate(inp: Inputs, ev: Evaluator, plan: dict) -> dict:
     from dblock.simulator.serving import simulate_serving
     sc = serve_config(inp, ev, plan)
     res = simulate_serving(sc)
-    itl, ttft = res.itl["p95"], res.ttft["p95"]
+    itl, ttft = res.itl_of(inp.itl)["p95"], res.ttft["p95"]
     # a TTFT objective sees the queue; without one the engine must keep up (or never fill its cap)
     keeps_up = inp.slo_ttft is not None or res.stable or res.peak_batch < plan["batch_cap"]
     meets = (not res.oom and keeps_up and (inp.slo_itl is None or itl <= inp.slo_itl)
              and (inp.slo_ttft is None or ttft <= inp.slo_ttft))
     return dict(p95_itl_s=itl, p95_ttft_s=ttft, throughput_tok_s=res.throughput, peak_batch=res.peak_batch,
                 oom=res.oom, stable=res.stable, meets=bool(meets), requests=sc.requests,
-                p95_itl_token_s=res.itl_token.get("p95"), p95_itl_block_s=res.itl_block.get("p95"))
+                p95_itl_by_definition={d: res.itl_of(d).get("p95") for d in ("epoch", "dblock", "token", "block")})
 
 
 def serve_config(inp: Inputs, ev: Evaluator, plan: dict):
@@ -555,7 +558,7 @@ def band(inp: Inputs, ev: Evaluator, plan: dict) -> dict:
         for vin, prof in vs:
             ws = ev.ws if prof is None and vin.alpha == inp.alpha else work_stats(
                 inp.cfg.block_size, vin.profile, sh.schedule, vin.alpha, inp.prompt, inp.tokens, seed=inp.seed)
-            e2 = Evaluator(inp.cfg, vin.hardware[sh.hardware], sh, inp.cal, ws)
+            e2 = Evaluator(inp.cfg, vin.hardware[sh.hardware], sh, inp.cal, ws, inp.itl)
             p2, _ = _plan_shape(vin, e2, max(1.0, inp.rate) * 1e3)
             if p2 is None:
                 g.append(math.inf)

@@ -26,17 +26,12 @@ def _sc(**kw):
     return ServeConfig(**base)
 
 
-def test_light_load_itl_is_passes_times_pass_time_in_each_definition():
-    # one request at a time: every block takes N_PASSES passes of T_PASS and commits 32 tokens. The equivalent ITL
-    # (the Epoch paper's: a block's latency) and vLLM's per-block ITL are the block time, SGLang's per-token ITL
-    # spreads it over the block's 32 tokens
+def test_light_load_itl_is_passes_times_pass_time_over_block():
+    # one request at a time: every block takes N_PASSES passes of T_PASS and commits 32 tokens
     res = simulate_serving(_sc(arrivals=[10.0 * i for i in range(12)], warmup_frac=0.0))
-    block = N_PASSES * T_PASS
-    for d in (res.itl, res.itl_block):
-        assert d["p50"] == pytest.approx(block, rel=1e-9)
-        assert d["p99"] == pytest.approx(block, rel=1e-9)
-    assert res.itl_token["p50"] == pytest.approx(block / 32, rel=1e-9)
-    assert res.itl_token["p99"] == pytest.approx(block / 32, rel=1e-9)
+    expect = N_PASSES * T_PASS / 32
+    assert res.itl["p50"] == pytest.approx(expect, rel=1e-9)
+    assert res.itl["p99"] == pytest.approx(expect, rel=1e-9)
     # TTFT at light load: no queueing, the prefill rides the first pass, so the first block's time
     assert res.ttft["p50"] == pytest.approx(N_PASSES * T_PASS, rel=1e-9)
     assert res.peak_batch == 1
@@ -48,19 +43,22 @@ def test_saturated_throughput_follows_the_batch_cap():
     res = simulate_serving(_sc(rate=1000.0, batch_cap=cap, requests=120))
     assert res.peak_batch == cap
     assert res.throughput == pytest.approx(cap * 32 / (N_PASSES * T_PASS), rel=0.05)
-    assert res.itl["p50"] == pytest.approx(N_PASSES * T_PASS, rel=1e-6)   # ITL flat: the pass time is flat
-    assert res.itl_token["p50"] == pytest.approx(N_PASSES * T_PASS / 32, rel=1e-6)
+    assert res.itl["p50"] == pytest.approx(N_PASSES * T_PASS / 32, rel=1e-6)   # ITL flat: the pass time is flat
 
 
-def test_the_three_itl_definitions_differ_where_they_should():
-    # answers of 40 tokens: a 32-token block then an 8-token one. Equivalent ITL: one sample per block, the first
-    # included; vLLM's per-block: the gaps after the first commit only; SGLang's per-token: each gap over its tokens,
-    # one sample per token (8 samples of block/8 per answer)
+def test_each_sources_itl_definition_in_closed_form():
+    # answers of 40 tokens: a 32-token block then an 8-token one, one request at a time, every block N_PASSES passes.
+    # dblock's equivalent ITL: block time / its tokens, per block; the Epoch reading: the block time, per block (the
+    # first included); vLLM's per-block: the gaps after the first commit only (the second block's); SGLang's
+    # per-token: each such gap over its 8 tokens, one sample per token
     res = simulate_serving(_sc(arrivals=[10.0 * i for i in range(8)], warmup_frac=0.0, tokens="const:40"))
     block = N_PASSES * T_PASS
-    assert res.itl["p50"] == pytest.approx(block, rel=1e-9)            # both blocks take N_PASSES passes
-    assert res.itl_block["p50"] == pytest.approx(block, rel=1e-9)      # one gap per answer: the second block
-    assert res.itl_token["p50"] == pytest.approx(block / 8, rel=1e-9)  # that gap over its 8 tokens
+    assert sorted([res.itl["p50"], res.itl["p99"]]) == pytest.approx([(block / 32 + block / 8) / 2, block / 8],
+                                                                      rel=1e-2)
+    assert res.itl_epoch["p50"] == pytest.approx(block, rel=1e-9) and res.itl_epoch["p99"] == pytest.approx(block)
+    assert res.itl_block["p50"] == pytest.approx(block, rel=1e-9)
+    assert res.itl_token["p50"] == pytest.approx(block / 8, rel=1e-9)
+    assert res.itl_of("epoch") is res.itl_epoch and res.itl_of("dblock") is res.itl
 
 
 def test_p95_itl_grows_with_rate_on_a_real_device():
