@@ -3,11 +3,11 @@
 One Block Ahead (DiffusionGemma, one GB300, batch 1): the fixed-point predictions and break-even verdicts of
 its rows (`oba_rows`), and the position-level α predictions from its OBA α alone (`oba_position_predictions`).
 
-Epoch (LLaDA2.0-mini on 8×H100, TP = EP = SP = 8): two efficiency terms (`cost.Calibration.overhead_s`,
-`moe_row_s`) are fitted on Figure 2 only — 76.4 ms forward at batch 1 with the MoE path 60% of it, 77% at batch
-32 (`fig2_calibration`). Then, with nothing further fitted, the model predicts the Epoch / dense speedup by batch
-size and the dense OOM (`epoch_batch_trend`) and the online P95 ITL curves of Epoch vs the dense path
-(`epoch_serving`).
+Epoch (LLaDA2.0-mini on 8×H100, TP = EP = SP = 8): given a calibration — the published fit (`gpufit.py`, on which
+the paper's MoE shares, its batch-512 speedup and its online figure are calibration points) or the earlier one fitted
+on Figure 2 only (`fig2_calibration`: 76.4 ms forward at batch 1 with the MoE path 60% of it, 77% at batch 32) — the
+model predicts the Epoch / dense speedup by batch size and the dense OOM (`epoch_batch_trend`) and the online P95
+ITL curves of Epoch vs the dense path (`epoch_serving`).
 
 Assumptions that are ours, not the papers' (the papers do not state them; change them with the arguments):
 * Figure 2's forward is one Native(32) block pass per request over a 512-token committed prefix.
@@ -88,7 +88,7 @@ def oba_gb300_verdict(alpha: float, cache_len: float = 512.0) -> dict:
     """The break-even verdict of OBA in the paper's setting -- DiffusionGemma on one GB300, batch 1 -- for an α
     measured elsewhere (e.g. on a bundled model on this CPU): r from the simulator's pass cost of DiffusionGemma's
     dimensions (`cost.get_model("diffusion-gemma")`, TP = EP = SP = 1, a `cache_len` committed prefix), both with the
-    Figure 2 calibration (the default of `dblock simulate pass`) and as a pure roofline; the verdict uses the
+    Figure 2 calibration (`--calibration fig2`, the earlier default) and as a pure roofline; the verdict uses the
     calibrated r. The paper's own measured r is given beside them: the simulator predicts r, it was not fitted to it."""
     g = cost.get_model("diffusion-gemma")
     hw, par = hardware.get("gb300"), cost.Parallel(1, 1, 1)
