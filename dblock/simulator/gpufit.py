@@ -426,10 +426,12 @@ class FitResult:
     message: str
 
     keys: list = field(default_factory=list)   # what identifies each fitted point: id, model, hardware, metric, value
+    excluded: dict = field(default_factory=dict)   # calibration points the model cannot predict: id -> why
 
     def as_dict(self) -> dict:
         return dict(values=self.params.values, determined_by=self.determined_by, calibration=self.ids,
-                    calibration_points=self.keys, residuals=self.residuals, cost=self.cost, message=self.message)
+                    calibration_points=self.keys, residuals=self.residuals, cost=self.cost, message=self.message,
+                    excluded=self.excluded)
 
 
 def _vector_to_params(x: np.ndarray, names: list) -> GpuParams:
@@ -439,10 +441,20 @@ def _vector_to_params(x: np.ndarray, names: list) -> GpuParams:
 def fit(points: list, names: list | None = None) -> FitResult:
     """Least squares in log space over the calibration points (module docstring)."""
     from scipy.optimize import least_squares
-    cal_pts = [p for p in points if p.role == "calibration"]
-    if not cal_pts:
-        raise ValueError("fit: no calibration point (role: calibration)")
     names = list(names or PARAMS)
+    start = _vector_to_params(np.log([PARAMS[n][4] for n in names]), names)
+    cal_pts, excluded = [], {}
+    for p in points:
+        if p.role != "calibration":
+            continue
+        pr = predict(p, start)
+        if pr.value is None:        # what cannot be predicted cannot be fitted on: said, not silently dropped
+            excluded[p.id] = pr.reason
+        else:
+            cal_pts.append(p)
+    if not cal_pts:
+        raise ValueError("fit: no calibration point the model can predict (role: calibration)"
+                         + (f"; not predictable: {excluded}" if excluded else ""))
     lo = np.log([PARAMS[n][2] for n in names])
     hi = np.log([PARAMS[n][3] for n in names])
     x0 = np.log([PARAMS[n][4] for n in names])
@@ -476,7 +488,7 @@ def fit(points: list, names: list | None = None) -> FitResult:
                 ids.append(p.id)
         det[n] = ids
     return FitResult(prm, {p.id: float(r) for p, r in zip(cal_pts, res)}, det, [p.id for p in cal_pts],
-                     float(best.cost), str(best.message), [point_key(p) for p in cal_pts])
+                     float(best.cost), str(best.message), [point_key(p) for p in cal_pts], excluded)
 
 
 def point_key(p: Point) -> list:
@@ -533,6 +545,8 @@ def fit_lines(res: FitResult) -> list:
     """Every fitted value with the calibration points that determine it, then the held values and why."""
     out = [f"fitted on {len(res.ids)} calibration points ({', '.join(res.ids)}); least squares in log space, "
            f"cost {res.cost:.4f}"]
+    for pid, why in res.excluded.items():
+        out.append(f"  calibration point {pid} not fitted on: it cannot be predicted ({why})")
     for name, v in res.params.values.items():
         unit = "s" if name.endswith("_s") else ""
         det = ", ".join(res.determined_by[name]) or "none (its bound)"

@@ -258,3 +258,10 @@ def test_fixed_costs_and_tp_sharded_experts():
     assert slow.total > base.total
     with pytest.raises(ValueError, match="layer_s=-1"):
         cost.Calibration(layer_s=-1)
+
+
+def test_a_calibration_point_the_model_cannot_predict_is_named_not_fitted(data):
+    odd = published.Point.model_validate({**POINT, "id": "Q1", "dtype": "q4", "role": "calibration"})
+    res = gpufit.fit(list(data.points) + [odd])
+    assert "Q1" in res.excluded and "q4" in res.excluded["Q1"] and "Q1" not in res.ids
+    assert any("Q1 not fitted on" in line for line in gpufit.fit_lines(res))
