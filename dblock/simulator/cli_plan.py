@@ -38,16 +38,24 @@ def add_parsers(sub, common) -> None:
     p.add_argument("--tokens", default="lognormal:512,0.5", help="answer-length distribution (default "
                                                                  "lognormal:512,0.5)")
     p.add_argument("--slo-itl", type=float_arg(0.0, 1e4, lo_open=True), default=None,
-                   help="P95 equivalent inter-token latency objective (s)")
+                   help="P95 inter-token latency objective (s), of the --itl-definition")
+    p.add_argument("--itl-definition", default="epoch", choices=["epoch", "dblock", "token", "block"],
+                   help="which ITL --slo-itl holds: 'epoch' (the Epoch paper's equivalent ITL read as a block's "
+                        "latency; default), 'dblock' (dblock's equivalent ITL, per token), 'token' (SGLang "
+                        "bench_serving's per-token ITL), 'block' (vLLM bench serve's per-block ITL); all four are "
+                        "reported")
     p.add_argument("--slo-ttft", type=float_arg(0.0, 1e6, lo_open=True), default=None,
                    help="P95 time-to-first-token objective (s)")
     p.add_argument("--passes", default=None,
-                   help="Native passes per block (default gamma:10,0.3; diffusion-gemma: the OBA paper's n̄ 13.1; "
-                        "ignored with --liveness-from)")
+                   help="Native passes per block (default: from the model card's tokens per forward — llada2-mini "
+                        "gamma:12.55,0.3 (TPF 2.55), llada2-flash gamma:10.03,0.3 (TPF 3.19), llada-moe-7b "
+                        "gamma:10,0.3; diffusion-gemma: the OBA paper's n̄ 13.1; ignored with --liveness-from)")
     p.add_argument("--liveness-from", default=None, metavar="TRACE",
                    help="Native decode trace (or code-masked, the bundled one) for passes and liveness instead of "
                         "the uniform assumption")
-    p.add_argument("--calibration", default="fig2", help="'fig2', 'none' or OVERHEAD_S,MOE_ROW_S (`simulate pass`)")
+    p.add_argument("--calibration", default="published",
+                   help="'published' (the GPU cost model fitted on published measurements; default), 'fig2', 'none' "
+                        "or OVERHEAD_S,MOE_ROW_S (`simulate pass`)")
     p.add_argument("--gpus-per-replica", default="1,2,4,8", help="GPUs per replica to try (powers of two)")
     p.add_argument("--caps", default="16,32,64,128,256,512", help="batch caps to try")
     p.add_argument("--executors", default="dense,epoch", help="dense, epoch or both")
@@ -148,10 +156,8 @@ def _inputs(args):
             raise ValueError(f"--liveness-from {args.liveness_from}: blocks of {profile.C} tokens; {args.model} "
                              f"decodes blocks of {cfg.block_size}")
     else:
-        passes = args.passes or "gamma:10,0.3"
-        if args.passes is None and args.model == "diffusion-gemma":   # the OBA paper's Native(256) n̄ on it
-            from dblock.simulator.papers import paper_native_nbar
-            passes = f"gamma:{paper_native_nbar():.2f},0.3"
+        from dblock.simulator.papers import default_passes
+        passes = args.passes or default_passes(args.model)
         _dist(passes, "--passes", 1e4)
         profile = ParametricProfile(C=cfg.block_size, passes=passes)
     execs = tuple(e.strip() for e in args.executors.split(",") if e.strip())
@@ -164,7 +170,8 @@ def _inputs(args):
     caps = tuple(_ints(args.caps, "--caps", 1 << 16))
     if args.slo_itl is None and args.slo_ttft is None:
         print("note: no --slo-itl or --slo-ttft: plans only keep up with the rate", file=sys.stderr)
-    return plan.Inputs(cfg=cfg, model=args.model, hardware=hws, prices=prices, rate=rate, prompt=prompt,
+    cal_name = ("the published fit" if args.calibration == "published" else f"--calibration {args.calibration}")
+    return plan.Inputs(cfg=cfg, model=args.model, cal_name=cal_name, itl=args.itl_definition, hardware=hws, prices=prices, rate=rate, prompt=prompt,
                        tokens=tokens, slo_itl=args.slo_itl, slo_ttft=args.slo_ttft, profile=profile,
                        uniform_state=args.model in cost.UNIFORM_STATE, cal=cal, gpus=gpus,
                        caps=caps, executors=execs, max_gpus=args.max_gpus,
@@ -180,13 +187,13 @@ def _rng(lo_hi, fmt) -> str:
 def _table(res, inp) -> str:
     slo = []
     if inp.slo_itl is not None:
-        slo.append(f"P95 ITL <= {inp.slo_itl * 1e3:g} ms")
+        slo.append(f"P95 ITL ({inp.itl}) <= {inp.slo_itl * 1e3:g} ms")
     if inp.slo_ttft is not None:
         slo.append(f"P95 TTFT <= {inp.slo_ttft:g} s")
     st = res.stats
     head = (f"{inp.model}, {inp.rate:.3g} req/s, prompts {inp.prompt[:40]}, answers {inp.tokens[:40]}; "
             f"{' and '.join(slo) or 'no SLO'}; decode profile {st['decode_profile']} (n̄ "
-            f"{inp.profile.nbar:.2f} passes per {inp.cfg.block_size}-token block)\n"
+            f"{inp.profile.nbar:.2f} passes per {inp.cfg.block_size}-token block); costs: {inp.cal_name}\n"
             f"searched {res.searched} replica shapes ({len(res.dropped)} dropped: "
             f"{sum(1 for _, w in res.dropped if w.startswith('OOM'))} out of memory), simulated {res.simulated}")
     oom, seen = [], set()
@@ -217,6 +224,13 @@ def _table(res, inp) -> str:
                  f"{p['gpus_per_replica']}), "
                  f"${p['cost_per_hour']:.0f}/h; the band comes mostly from the {b['dominant']} "
                  f"(efficiency factors, decode profile: n̄ ±20% and liveness uniform vs trace, α on OBA)")
+    lines.append(f"one replica ({p['gpus_per_replica']} {p['hardware'].upper()}s) holds the SLOs up to "
+                 f"{p['max_rate_per_replica']:.3g} req/s (analytic) and runs {inp.rate / p['replicas']:.3g} req/s here")
+    by = (p.get("simulated") or {}).get("p95_itl_by_definition")
+    if by:
+        lines.append(f"its simulated P95 ITL by definition (the SLO holds '{inp.itl}'): Epoch's (a block's latency) "
+                     f"{1e3 * by['epoch']:.1f} ms, dblock's equivalent (per token) {1e3 * by['dblock']:.2f} ms, "
+                     f"SGLang's per-token {1e3 * by['token']:.2f} ms, vLLM's per-block {1e3 * by['block']:.1f} ms")
     lines.append("P95s: simulated (SimPy serving model, one replica at rate/replicas); headroom: the extra load the "
                  "plan's replicas take at the SLO (analytic); prices are placeholders (--price)")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ def add_parsers(sub, common) -> None:
     ca.set_defaults(_run=_calibrate)
     ca.add_argument("traces", nargs="*", help="JSON-lines traces to calibrate on (one Native run at least)")
     ca.add_argument("--cpu", action="store_true", help="measure matmul and memory-stream rates here; write a profile")
-    ca.add_argument("--out", default=None, help="where --cpu writes its profile (default ~/.cache/dblock/)")
+    ca.add_argument("--out", default=None, help="where --cpu writes its profile (default ~/.cache/dblock/), or --published its fit")
     ca.add_argument("--hold-out", nargs="*", default=[], help="traces to predict from the calibration")
     ca.add_argument("--hardware", default=None, help="hardware profile for the cost fit (default: none = skip)")
     ca.add_argument("--model", default=None, help="model config when the trace headers carry none")
@@ -26,6 +26,10 @@ def add_parsers(sub, common) -> None:
     ca.add_argument("--gamma", type=float_arg(0.0, 1.0), default=None,
                     help="FlowBlock readiness gate γ (default: the gate the FlowBlock trace records, else the "
                          "decoder's default 0.5)")
+    ca.add_argument("--published", nargs="?", const=_published_default(), default=None, metavar="FILE",
+                    help="fit the GPU cost model on the calibration points of a published-measurements file "
+                         "(default: the project's, dblock/simulator/data/published_gpu.json) and print every fitted "
+                         "value with the points that determine it; --out FIT.json writes the fit")
 
     pr = sub.add_parser("profile", help="time every operator of a pass of a model on this machine; write a profile",
                         description="Time attention by (rows, context), dense MLP and router by rows, MoE by (rows, "
@@ -95,10 +99,36 @@ def add_parsers(sub, common) -> None:
                     help="the uniform-state (diffusion_gemma) model whose α rows are predicted (default code-uniform)")
     va.add_argument("--alpha-n", type=int_arg(8, 100_000), default=256,
                     help="requests per α run (default 256: the fitted α's own 95%% interval is about ±0.1 wide)")
+    va.add_argument("--published", nargs="?", const=_published_default(), default=None, metavar="FILE",
+                    help="instead of this machine: predict every point of a published-measurements file (default: "
+                         "the project's) with the GPU cost model and print it beside the published value, with the "
+                         "error and whether the point was fitted (any file in the schema of "
+                         "dblock/simulator/published.py: your own cluster's measurements)")
+    va.add_argument("--fit", default=None, metavar="FIT.json",
+                    help="with --published: the fit to predict with (default: the stored one, "
+                         "dblock/simulator/data/gpu_fit.json; write another with `calibrate --published --out`)")
+
+
+def _refuse_with_published(args, defaults: dict) -> None:
+    """--published works on published points, not on this machine: a flag of the machine's runs is refused."""
+    given = [k for k, v in defaults.items() if getattr(args, k) != v]
+    if given:
+        flags = ", ".join(("--" + k.replace("_", "-")) if k != "traces" else "trace files" for k in given)
+        raise ValueError(f"--published predicts published GPU points: {flags} does not apply to it")
+
+
+def _published_default() -> str:
+    import os
+    return os.path.join(os.path.dirname(__file__), "data", "published_gpu.json")
 
 
 def _calibrate(args) -> int:
     from dblock.simulator import calibrate, cost, hardware
+    if args.published:
+        _refuse_with_published(args, dict(cpu=False, traces=[], hold_out=[], hardware=None, model=None,
+                                          delta_from="oba", gamma=None))
+        from dblock.simulator.cli_published import calibrate_published
+        return calibrate_published(args)
     if args.cpu:
         if args.out:
             check_out_file(args.out, "--out")
@@ -232,6 +262,14 @@ def _predict(args) -> int:
 def _validate(args) -> int:
     from dblock.simulator import validate
     from dblock.simulator.profile import Profile
+    if args.published:
+        _refuse_with_published(args, dict(model="tiny-masked", profile=None, n=32, repeats=3, quick=False,
+                                          no_epoch=False, no_alpha=False, alpha_only=False,
+                                          alpha_model="code-uniform", alpha_n=256))
+        from dblock.simulator.cli_published import validate_published
+        return validate_published(args)
+    if args.fit:
+        raise ValueError("--fit: only with --published (the fit the published points are predicted with)")
     path = args.profile or _profile_path(args.model)
     if args.profile and not os.path.isfile(args.profile):
         raise ValueError(f"--profile {args.profile}: no such file (write one with `dblock simulate profile`)")

@@ -25,8 +25,7 @@ def add_parsers(sub, common) -> None:
     ps.add_argument("--batch", default="1,32,64,128,256,512", help="comma-separated batch sizes")
     ps.add_argument("--cache-len", type=float_arg(0.0, 1e8), default=512.0,
                     help="committed prefix per request (tokens)")
-    ps.add_argument("--calibration", default="fig2",
-                    help="'fig2' (fit on the Epoch paper's Figure 2), 'none' (pure roofline) or OVERHEAD_S,MOE_ROW_S")
+    _calibration_args(ps)
     ps.add_argument("--max-context", type=int_arg(1, 1 << 26), default=4096,
                     help="KV cache tokens reserved per request")
     ps.add_argument("--plot", default=None, metavar="PNG", help="write the Epoch/dense speedup-vs-batch plot")
@@ -46,7 +45,10 @@ def add_parsers(sub, common) -> None:
     se.set_defaults(_run=_search)
     _serve_args(se)
     se.add_argument("--slo", type=float, required=True,
-                    help="P95 equivalent ITL objective (seconds)")
+                    help="P95 ITL objective (seconds), of the --itl-definition")
+    se.add_argument("--itl-definition", default="epoch", choices=["epoch", "dblock", "token", "block"],
+                    help="which ITL --slo holds (see `simulate serve`; default epoch: the Epoch paper's, a block's "
+                         "latency)")
     se.add_argument("--caps", default="32,64,128,256,512", help="batch caps to try (comma-separated)")
     se.add_argument("--rate-max", type=float_arg(0.0, 1e6, lo_open=True), default=64.0,
                     help="upper end of the rate bisection (req/s)")
@@ -58,8 +60,7 @@ def _serve_args(sp):
     sp.add_argument("--tp", type=int_arg(1, 4096), default=8, help="tensor-parallel ranks (default 8)")
     sp.add_argument("--ep", type=int_arg(1, 4096), default=8, help="expert-parallel ranks (default 8)")
     sp.add_argument("--sp", type=int_arg(1, 4096), default=8, help="sequence-parallel ranks (default 8)")
-    sp.add_argument("--calibration", default="fig2",
-                    help="'fig2', 'none' or OVERHEAD_S,MOE_ROW_S (see `simulate pass`)")
+    _calibration_args(sp)
     sp.add_argument("--scale", type=float_arg(0.0, 1e6, lo_open=True), default=1.0,
                     help="multiply every pass time (the CPU scale fitted by `simulate calibrate`; default 1)")
     sp.add_argument("--path", default="both", choices=["dense", "epoch", "both"], help="executor path(s) to model")
@@ -67,9 +68,18 @@ def _serve_args(sp):
     sp.add_argument("--batch-cap", type=int_arg(1, 1 << 20), default=256, help="most requests running at once")
     sp.add_argument("--prompt", default="const:256", help="prompt-length distribution (e.g. lognormal:256,0.5)")
     sp.add_argument("--tokens", default="lognormal:256,0.5", help="response-length distribution")
-    sp.add_argument("--passes", default="gamma:10,0.3", help="Native passes-per-block distribution")
+    sp.add_argument("--passes", default=None,
+                    help="Native passes-per-block distribution (default: 32 / the model card's tokens per forward: "
+                         "llada2-mini gamma:12.55,0.3, llada2-flash gamma:10.03,0.3; else gamma:10,0.3)")
     sp.add_argument("--requests", type=int_arg(1, 1_000_000), default=300, help="requests per simulated run")
     _liveness_arg(sp)
+
+
+def _calibration_args(sp):
+    sp.add_argument("--calibration", default="published",
+                    help="'published' (the GPU cost model fitted on published measurements, SIMULATOR.md; "
+                         "default), 'fig2' (the older fit on the Epoch paper's Figure 2 alone), 'none' (pure "
+                         "roofline) or OVERHEAD_S,MOE_ROW_S")
 
 
 def _liveness_arg(sp):
@@ -93,6 +103,9 @@ def _trace_profile(args, C: int):
 
 def _calibration(text: str, cache_len: float = 512.0):
     from dblock.simulator import cost, papers
+    if text == "published":
+        from dblock.simulator import gpufit
+        return gpufit.calibration("engine")
     if text == "fig2":
         return papers.fig2_calibration(papers.epoch_setup(cache_len))["cal"]
     if text == "none":
@@ -102,8 +115,32 @@ def _calibration(text: str, cache_len: float = 512.0):
     except ValueError:
         vals = []
     if len(vals) != 2 or min(vals) < 0:
-        raise ValueError(f"--calibration {text!r}: expected fig2, none, or OVERHEAD_S,MOE_ROW_S (two numbers >= 0)")
+        raise ValueError(f"--calibration {text!r}: expected published, fig2, none, or OVERHEAD_S,MOE_ROW_S (two "
+                         "numbers >= 0)")
     return cost.Calibration(overhead_s=vals[0], moe_row_s=vals[1])
+
+
+def _cal_source(args) -> str:
+    if args.calibration == "published":
+        return "published fit (dblock/simulator/data/gpu_fit.json)"
+    return args.calibration
+
+
+def _cal_text(cal) -> str:
+    """The calibration's non-default terms, readably."""
+    from dblock.simulator import cost
+    base = cost.Calibration()
+    parts = []
+    for k, v in vars(cal).items():
+        if v == getattr(base, k):
+            continue
+        if k == "gemm":
+            parts.append("GEMM " + ", ".join(f"{d} {x:.3g}" for d, x in v))
+        elif k.endswith("_s") and v is not None:
+            parts.append(f"{k} {1e6 * v:.3g} us")
+        else:
+            parts.append(f"{k} {v:.4g}")
+    return "; ".join(parts) or "pure roofline"
 
 
 def _setup(args):
@@ -128,10 +165,11 @@ def _pass(args) -> int:
     rows = papers.epoch_batch_trend(cal, _ints(args.batch, "--batch"), setup, liveness=live,
                                     max_context=args.max_context)
     rs = {lay: cost.r_of(cfg, lay, hw, par, cal, cache_len=args.cache_len) for lay in ("oba", "dense_mask", "native2c")}
-    data = dict(model=args.model, hardware=hw.name, parallel=vars(par), calibration=vars(cal), r_batch1=rs, rows=rows,
+    data = dict(model=args.model, hardware=hw.name, parallel=vars(par), calibration=vars(cal),
+                calibration_source=_cal_source(args), r_batch1=rs, rows=rows,
                 fig2=fig2, liveness=dict(live.as_dict(), source=args.liveness_from or "uniform"))
-    lines = [f"{hw.name}, TP={par.tp} EP={par.ep} SP={par.sp}, calibration {vars(cal)}",
-             f"liveness ({args.liveness_from or 'uniform assumption, n̄ = 10'}): live share {live.live:.3f}, fresh "
+    lines = [f"{hw.name}, TP={par.tp} EP={par.ep} SP={par.sp}, calibration {_cal_source(args)}: {_cal_text(cal)}",
+             f"liveness ({args.liveness_from or f'uniform assumption, n̄ = {papers.LLADA2_PROFILE.nbar:.2f}'}): live share {live.live:.3f}, fresh "
              f"share {live.fresh:.3f}, {live.passes:.2f} passes per block"]
     if fig2:
         f, t = fig2["fit"], fig2["targets"]
@@ -163,8 +201,10 @@ def _serve_config(args, path: str):
     cal = replace(_calibration(args.calibration), scale=args.scale)
     _dist(args.prompt, "--prompt", 1e7)
     _dist(args.tokens, "--tokens", 1e7)
-    _dist(args.passes, "--passes", 1e5)
-    prof = _trace_profile(args, cfg.block_size) or ParametricProfile(C=cfg.block_size, passes=args.passes)
+    from dblock.simulator.papers import default_passes
+    passes = args.passes or default_passes(args.model)
+    _dist(passes, "--passes", 1e5)
+    prof = _trace_profile(args, cfg.block_size) or ParametricProfile(C=cfg.block_size, passes=passes)
     return ServeConfig(cfg, hw, par, cal, path=path, schedule=args.schedule, profile=prof, prompt=args.prompt,
                        tokens=args.tokens, batch_cap=args.batch_cap, requests=args.requests, seed=args.seed)
 
@@ -199,8 +239,8 @@ def _serve(args) -> int:
     arrivals = _read_arrivals(args.arrivals) if args.arrivals else None
     rates = [None] if arrivals else _positive_floats(args.rates, "--rates")
     curves: dict = {}
-    lines = [f"{'path':6s} {'rate':>6s} {'P50 ITL ms':>10s} {'P95 ITL ms':>10s} {'P99 ITL ms':>10s} "
-             f"{'P95 TTFT s':>10s} {'tok/s':>8s} {'peak B':>6s} OOM   keeps up"]
+    lines = [f"{'path':6s} {'rate':>6s} {'P50 epoch':>10s} {'P95 epoch':>10s} {'P95 dblock':>10s} {'P95 token':>10s} "
+             f"{'P95 block':>10s} {'P95 TTFT s':>10s} {'tok/s':>8s} {'peak B':>6s} OOM   keeps up"]
     total = len(paths) * len(rates)
     bar = None
     if not args.json and total > 1:
@@ -213,12 +253,15 @@ def _serve(args) -> int:
             sc = replace(base, arrivals=arrivals) if arrivals else replace(base, rate=lam)
             res = simulate_serving(sc)
             rate = lam if lam is not None else len(arrivals) / max(1e-9, max(arrivals) - min(arrivals))
-            curves[path].append(dict(rate=rate, p95_itl=res.itl["p95"], itl=res.itl, ttft=res.ttft,
+            curves[path].append(dict(rate=rate, p95_itl=res.itl["p95"], itl=res.itl, itl_token=res.itl_token,
+                                     itl_block=res.itl_block, itl_epoch=res.itl_epoch, ttft=res.ttft,
                                      throughput=res.throughput, peak_batch=res.peak_batch, oom=res.oom,
                                      stable=res.stable))
-            lines.append(f"{path:6s} {rate:6.2f} {1e3 * res.itl['p50']:10.1f} {1e3 * res.itl['p95']:10.1f} "
-                         f"{1e3 * res.itl['p99']:10.1f} {res.ttft['p95']:10.2f} {res.throughput:8.0f} "
-                         f"{res.peak_batch:6d} {str(res.oom):5s} {res.stable}")
+            lines.append(f"{path:6s} {rate:6.2f} {1e3 * res.itl_epoch['p50']:10.1f} {1e3 * res.itl_epoch['p95']:10.1f} "
+                         f"{1e3 * res.itl['p95']:10.2f} {1e3 * res.itl_token['p95']:10.2f} "
+                         f"{1e3 * res.itl_block['p95']:10.1f} "
+                         f"{res.ttft['p95']:10.2f} {res.throughput:8.0f} {res.peak_batch:6d} {str(res.oom):5s} "
+                         f"{res.stable}")
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -226,7 +269,12 @@ def _serve(args) -> int:
     if args.plot:
         from dblock.simulator import plots
         plots.itl_vs_rate(curves, args.plot)
-    _emit(args, dict(curves=curves), "\n".join(lines))
+    from dblock.simulator.serving import ITL_DEFINITIONS
+    lines.append("ITL in ms, four definitions: " + "; ".join(f"{k} = {v}" for k, v in ITL_DEFINITIONS.items()))
+    _emit(args, dict(curves=curves, calibration=_cal_source(args),
+                     itl_definitions=dict(itl=ITL_DEFINITIONS["dblock"], itl_epoch=ITL_DEFINITIONS["epoch"],
+                                          itl_token=ITL_DEFINITIONS["token"], itl_block=ITL_DEFINITIONS["block"])),
+          "\n".join(lines))
     return 0
 
 
@@ -238,10 +286,11 @@ def _search(args) -> int:
     data, lines = {}, []
     for path in paths:
         res = best_batch_cap(_serve_config(args, path), args.slo, _ints(args.caps, "--caps"),
-                             progress=show_progress(args), rate_hi=args.rate_max)
+                             progress=show_progress(args), rate_hi=args.rate_max, itl=args.itl_definition)
         data[path] = res
         b = res["best"]
-        lines.append(f"{path}: best batch cap {b['batch_cap']} holds P95 ITL <= {1e3 * args.slo:.0f} ms up to "
+        lines.append(f"{path}: best batch cap {b['batch_cap']} holds P95 ITL ({args.itl_definition}) <= "
+                     f"{1e3 * args.slo:.0f} ms up to "
                      f"{b['max_rate']:.2f} req/s")
         for row in res["table"]:
             lines.append(f"   cap {row['batch_cap']:5d}: max rate {row['max_rate']:.2f} req/s")

@@ -7,14 +7,23 @@ Every component is timed on one rank (the work is balanced, so one rank is the c
     t = max(FLOPs / (peak · eff.gemm), bytes / (HBM · eff.stream))     compute-or-memory roofline
     t_collective = latency floor + bytes / achieved bus bandwidth
 
-and the pass time is the sum over components plus two calibrated terms (`Calibration`):
+and the pass time is the sum over components plus the calibrated terms of `Calibration`:
 
-    overhead_s    a fixed time per sub-block (every attention sub-block and every FFN/MoE sub-block): kernel
-                  launches, host work, small-collective latency that the roofline does not see
-    moe_row_s     achieved time per *padded expert row* per MoE layer, summed over the replica: the MoE path's
-                  permute/dispatch/expert/combine work at the rate the measured system reaches, counted as
-                  touched · max(m, knee) rows (the grouped-GEMM tile pads each touched expert to `knee` rows, so
-                  small batches pay for rows they do not have — the small-batch knee). 0 = pure roofline.
+    eff           the serving class's efficiency: every roofline component (not the collectives' bytes) is divided
+                  by it (1 = the class the GEMM and stream fractions were fitted for)
+    gemm          achieved GEMM fraction per precision, ((dtype, fraction), ...), replacing the hardware table's
+                  `eff.gemm` for those precisions; `stream_scale` multiplies the hardware's stream fraction
+    pass_s        a fixed time per pass (host work, sampler, graph launch)
+    layer_s       a fixed time per layer (kernel launches and small-collective floors the roofline does not see),
+                  counted half in the attention sub-block and half in the FFN/MoE sub-block
+    a2a_s         the floor of one all-to-all (dispatch or combine), replacing the hardware table's latency
+    overhead_s    (older form) a fixed time per sub-block: `layer_s = 2 · overhead_s`
+    moe_row_s     (older form) achieved time per *padded expert row* per MoE layer, summed over the replica,
+                  counted as touched · max(m, knee) rows (the grouped-GEMM tile pads each touched expert to `knee`
+                  rows). 0 = pure roofline.
+
+The fitted values (`gpufit.py`, fitted on published measurements: SIMULATOR.md, "The GPU cost model against
+published measurements") give one `Calibration` per serving class.
 
 Shapes (per layer; N = rows in the pass, H hidden, D head dim, nH/nKV heads, E experts, K top-k, I expert width):
 
@@ -28,7 +37,9 @@ Shapes (per layer; N = rows in the pass, H hidden, D head dim, nH/nKV heads, E e
     experts touched         S·(1 − (1 − K/S)^N_moe) of the eligible S = support_frac·E (uniform routing, K distinct
                             experts per token); rows per expert m = P / touched
     expert GEMMs            6·H·I·max(m, knee)·touched / ep FLOPs (tile padding below the knee), weights
-                            3·H·I·bytes·touched / ep
+                            3·H·I·bytes·touched / ep; with ep = 1 and tp > 1 the routed experts are sharded TP ways
+                            (each rank holds 1/tp of every expert, one all-reduce combines them: SGLang's and vLLM's
+                            default without expert parallelism)
     dispatch/combine        per direction N_moe/sp · ranks_per_token · (ep − 1)/ep · H · bytes, ranks_per_token =
                             ep·(1 − (1 − 1/ep)^K) (DeepEP sends a token once per destination rank)
     shared expert           6·N_moe·H·I·n_shared / tp
@@ -139,11 +150,34 @@ class Parallel:
 
 @dataclass(frozen=True)
 class Calibration:
-    """The (at most two) fitted terms; see the module docstring. `scale` multiplies the whole pass (CPU fits)."""
+    """The calibrated terms; see the module docstring. `scale` multiplies the whole pass (CPU fits)."""
 
     overhead_s: float = 0.0
     moe_row_s: float = 0.0
     scale: float = 1.0
+    pass_s: float = 0.0
+    layer_s: float = 0.0
+    a2a_s: float | None = None
+    eff: float = 1.0
+    gemm: tuple = ()
+    stream_scale: float = 1.0
+
+    def __post_init__(self):
+        for k in ("overhead_s", "moe_row_s", "pass_s", "layer_s"):
+            if not getattr(self, k) >= 0:
+                raise ValueError(f"{k}={getattr(self, k)}: must be >= 0")
+        for k in ("scale", "eff", "stream_scale"):
+            if not getattr(self, k) > 0:
+                raise ValueError(f"{k}={getattr(self, k)}: must be > 0")
+        if self.a2a_s is not None and not self.a2a_s >= 0:
+            raise ValueError(f"a2a_s={self.a2a_s}: must be >= 0")
+
+    def gemm_of(self, dtype: str, hw: Hardware) -> float:
+        """The achieved GEMM fraction of `dtype` on `hw`: the fitted one when there is one, else the table's."""
+        for k, v in self.gemm:
+            if k == dtype:
+                return v
+        return hw.eff.gemm
 
 
 @dataclass
@@ -195,8 +229,10 @@ class PassShape:
         return self.cache_len + self.rows_per_request
 
 
-def _roof(flops: float, bytes_: float, hw: Hardware, dtype: str = "bf16") -> float:
-    return max(flops / (hw.flops(dtype) * hw.eff.gemm), bytes_ / (hw.hbm_bw * hw.eff.stream))
+def _roof(flops: float, bytes_: float, hw: Hardware, dtype: str = "bf16", cal: Calibration = Calibration()) -> float:
+    t = max(flops / (hw.flops(dtype) * cal.gemm_of(dtype, hw)) if flops else 0.0,
+            bytes_ / (hw.hbm_bw * hw.eff.stream * cal.stream_scale))
+    return t / cal.eff
 
 
 def _allreduce(bytes_: float, n: int, hw: Hardware) -> float:
@@ -205,10 +241,11 @@ def _allreduce(bytes_: float, n: int, hw: Hardware) -> float:
     return hw.eff.allreduce_latency_s + 2.0 * (n - 1) / n * bytes_ / hw.eff.allreduce_busbw
 
 
-def _a2a(bytes_: float, n: int, hw: Hardware) -> float:
+def _a2a(bytes_: float, n: int, hw: Hardware, cal: Calibration = Calibration()) -> float:
     if n <= 1:
         return 0.0
-    return hw.eff.a2a_latency_s + bytes_ / hw.eff.a2a_busbw
+    floor = hw.eff.a2a_latency_s if cal.a2a_s is None else cal.a2a_s
+    return floor + bytes_ / hw.eff.a2a_busbw
 
 
 @dataclass
@@ -236,14 +273,18 @@ class PassCost:
 
 def pass_cost(cfg: ModelConfig, shape: PassShape, hw: Hardware, par: Parallel = Parallel(),
               cal: Calibration = Calibration(), dtype: str = "bf16", wbytes: float = 2.0,
-              abytes: float = 2.0) -> PassCost:
-    """Time of one pass on one rank (seconds), split by component. See the module docstring for the formulas."""
+              abytes: float = 2.0, expert_dtype: str | None = None, expert_wbytes: float | None = None) -> PassCost:
+    """Time of one pass on one rank (seconds), split by component. See the module docstring for the formulas.
+    `dtype`/`wbytes`: the dense layers' GEMM precision and bytes per weight; `expert_dtype`/`expert_wbytes`: the
+    routed experts' (default: the same)."""
     H, D, nH, nKV = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     E, K, I, V = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.vocab_size
     L = cfg.num_hidden_layers
     n_moe_layers = len(cfg.moe_layers)
     n_dense_layers = L - n_moe_layers
     tp, ep, sp = par.tp, par.ep, par.sp
+    xdt = expert_dtype or dtype
+    xwb = wbytes if expert_wbytes is None else expert_wbytes
     B = shape.batch
     inflight = B * shape.rows_per_request
     prefix_rows = B * shape.cache_len if shape.no_cache else 0.0
@@ -251,23 +292,26 @@ def pass_cost(cfg: ModelConfig, shape: PassShape, hw: Hardware, par: Parallel = 
     nkv_rank = max(1.0, nKV / tp)
     parts: dict[str, float] = {}
 
+    def roof(flops, bytes_, dt=dtype):
+        return _roof(flops, bytes_, hw, dt, cal)
+
     # ---- attention sub-block (every layer) ----------------------------------------------------------------
     w_attn = (H * (nH + 2 * nKV) * D + nH * D * H) * wbytes / tp
     f_attn_proj = 2 * N * H * (nH + 2 * nKV) * D / tp + 2 * N * nH * D * H / tp
     act_attn = 6 * N * H * abytes / sp                    # norms, rope, residual: ~6 elementwise sweeps
-    parts["attn_proj"] = L * (_roof(f_attn_proj, w_attn, hw, dtype) + _roof(0, act_attn, hw))
+    parts["attn_proj"] = L * (roof(f_attn_proj, w_attn) + roof(0, act_attn))
     qk = B * shape.query_key_pairs()
     if shape.extra_rows:
         qk += shape.extra_rows * (shape.extra_rows / max(1, B) + shape.cache_len) / 2  # causal prefill, roughly
     f_core = 4 * D * nH * qk / tp
     kv_bytes = B * shape.visible_keys() * 2 * nkv_rank * D * abytes
-    parts["attn_core"] = L * _roof(f_core, kv_bytes, hw, dtype)
+    parts["attn_core"] = L * roof(f_core, kv_bytes, "bf16" if dtype in ("fp8", "fp4") else dtype)
     parts["attn_collective"] = L * _allreduce(N * H * abytes, tp, hw)
 
     # ---- dense FFN layers --------------------------------------------------------------------------------
     if n_dense_layers:
         Id = cfg.intermediate_size
-        parts["dense_ffn"] = n_dense_layers * (_roof(6 * N * H * Id / tp, 3 * H * Id * wbytes / tp, hw, dtype)
+        parts["dense_ffn"] = n_dense_layers * (roof(6 * N * H * Id / tp, 3 * H * Id * wbytes / tp)
                                                + _allreduce(N * H * abytes, tp, hw))
 
     # ---- MoE layers --------------------------------------------------------------------------------------
@@ -279,21 +323,23 @@ def pass_cost(cfg: ModelConfig, shape: PassShape, hw: Hardware, par: Parallel = 
     touched = S * (1.0 - (1.0 - min(1.0, K / S)) ** n_fresh) if P > 0 else 0.0
     m = P / touched if touched else 0.0
     knee = hw.eff.gemm_knee_rows
-    t_router = _roof(2 * n_fresh * H * E / sp, (E * H * 4) + n_fresh * E * 4 * 3 / sp, hw, dtype)
-    f_exp = 6 * H * I * max(m, knee) * touched / ep if P else 0.0
-    w_exp = 3 * H * I * wbytes * touched / ep
-    t_exp = _roof(f_exp, w_exp, hw, dtype) if P else 0.0
+    # the routed experts' split: EP ways, or (ep = 1) TP ways inside every expert
+    xsplit = ep if ep > 1 else tp
+    t_router = roof(2 * n_fresh * H * E / sp, (E * H * 4) + n_fresh * E * 4 * 3 / sp)
+    f_exp = 6 * H * I * max(m, knee) * touched / xsplit if P else 0.0
+    w_exp = 3 * H * I * xwb * touched / xsplit
+    t_exp = roof(f_exp, w_exp, xdt) if P else 0.0
     ranks_per_tok = ep * (1.0 - (1.0 - 1.0 / ep) ** K) if ep > 1 else 1.0
     a2a_bytes = n_fresh / sp * ranks_per_tok * (ep - 1) / ep * H * abytes
-    t_disp = 2 * _a2a(a2a_bytes, ep, hw)                     # dispatch + combine
-    t_perm = _roof(0, 4 * P / max(ep, sp) * H * abytes, hw)  # permute, unpermute, weighted sum
+    t_disp = 2 * _a2a(a2a_bytes, ep, hw, cal)                # dispatch + combine
+    t_perm = roof(0, 4 * P / max(ep, sp) * H * abytes)       # permute, unpermute, weighted sum
     ns = cfg.num_shared_experts
-    t_shared = _roof(6 * n_fresh * H * I * ns / tp, 3 * H * I * ns * wbytes / tp, hw, dtype) if ns else 0.0
+    t_shared = roof(6 * n_fresh * H * I * ns / tp, 3 * H * I * ns * wbytes / tp) if ns else 0.0
     t_moe_coll = _allreduce(N * H * abytes, tp, hw) if ep == 1 else 0.0   # EP combine replaces the TP reduce
     extra = 0.0
     if epoch:
-        extra += hw.eff.a2a_latency_s if ep > 1 else 0.0                    # FreshLane count exchange
-        extra += _roof(0, (inflight + prefix_rows) * H * abytes * 2 / sp, hw)  # compact + cache merge
+        extra += _a2a(0.0, ep, hw, cal) if ep > 1 else 0.0                  # FreshLane count exchange
+        extra += roof(0, (inflight + prefix_rows) * H * abytes * 2 / sp)    # compact + cache merge
     parts["moe_router"] = n_moe_layers * t_router
     parts["moe_experts"] = n_moe_layers * (t_exp + t_perm)
     parts["moe_dispatch"] = n_moe_layers * (t_disp + t_moe_coll)
@@ -301,16 +347,17 @@ def pass_cost(cfg: ModelConfig, shape: PassShape, hw: Hardware, par: Parallel = 
     if epoch:
         parts["moe_epoch_extra"] = n_moe_layers * extra
     padded_rows = touched * max(m, knee) if P else 0.0
-    parts["moe_rows_calibrated"] = n_moe_layers * cal.moe_row_s * padded_rows / max(ep, 1)
+    parts["moe_rows_calibrated"] = n_moe_layers * cal.moe_row_s * padded_rows / max(xsplit, 1)
 
     # ---- LM head -----------------------------------------------------------------------------------------
     lm_rows = inflight * (shape.live_frac if (epoch or shape.lm_rows == "live") else 1.0)
-    parts["lm_head"] = _roof(2 * lm_rows * H * V / tp, V * H * wbytes / tp + lm_rows * V / tp * 4 * 3, hw, dtype)
+    parts["lm_head"] = roof(2 * lm_rows * H * V / tp, V * H * wbytes / tp + lm_rows * V / tp * 4 * 3)
 
     # ---- fixed overheads ---------------------------------------------------------------------------------
-    parts["overhead"] = cal.overhead_s * 2 * L
+    per_sub = cal.overhead_s + cal.layer_s / 2.0
+    parts["overhead"] = per_sub * 2 * L + cal.pass_s
     # the overhead of MoE sub-blocks belongs to the MoE path when reporting the MoE share
-    parts["moe_overhead"] = cal.overhead_s * n_moe_layers
+    parts["moe_overhead"] = per_sub * n_moe_layers
     parts["overhead"] -= parts["moe_overhead"]
     total = sum(parts.values()) * cal.scale
     if cal.scale != 1.0:
@@ -344,7 +391,7 @@ class Memory:
 
 def weight_bytes(cfg: ModelConfig, par: Parallel = Parallel(), wbytes: float = 2.0) -> float:
     """Weights held by one rank: attention, dense FFN, shared experts and embeddings split TP ways, routed experts
-    split EP ways; router and norms replicated."""
+    split EP ways (TP ways when ep = 1); router and norms replicated."""
     H, D, nH, nKV = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     L = cfg.num_hidden_layers
     nm = len(cfg.moe_layers)
@@ -354,7 +401,8 @@ def weight_bytes(cfg: ModelConfig, par: Parallel = Parallel(), wbytes: float = 2
     emb = 2 * cfg.vocab_size * H
     experts = nm * cfg.num_experts * 3 * H * cfg.moe_intermediate_size
     router = nm * cfg.num_experts * H * 2  # fp32 router weights (stored as 2 bf16-sized words)
-    return ((attn + dense + shared + emb) / par.tp + experts / par.ep + router) * wbytes
+    xsplit = par.ep if par.ep > 1 else par.tp       # ep = 1: every expert sharded TP ways (see pass_cost)
+    return ((attn + dense + shared + emb) / par.tp + experts / xsplit + router) * wbytes
 
 
 def param_counts(cfg: ModelConfig) -> dict:

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 #: placeholder prices, US$ per GPU-hour, that `dblock simulate plan` uses unless `--price KIND=USD` says otherwise
 #: (here, not in plan.py, so that building the CLI parser imports no numpy)
-PRICES = {"h100": 2.50, "h200": 3.50, "b200": 5.50, "gb300": 8.00, "a100": 1.50}
+PRICES = {"h100": 2.50, "h200": 3.50, "b200": 5.50, "gb300": 8.00, "a100": 1.50, "h800": 2.50, "h20": 1.20,
+          "l4": 0.80, "rtx3090": 0.30}
 
 TB = 1e12
 GB = 1e9
@@ -98,6 +99,14 @@ AMPERE_EFF = Efficiency(gemm=0.80, stream=0.85, gemm_knee_rows=16, launch_s=5e-6
 #   and NVLink-5 bus bandwidth scaled by the 2x link rate. Uncertain.
 BLACKWELL_EFF = Efficiency(gemm=0.70, stream=0.85, gemm_knee_rows=16, launch_s=4e-6, a2a_latency_s=30e-6,
                            allreduce_latency_s=15e-6, a2a_busbw=300 * GB, allreduce_busbw=700 * GB)
+# H800: Hopper with NVLink cut to 400 GB/s; DeepEP's README measures its intranode normal kernels on H800 at
+#   ~153-158 GB/s dispatch/combine (the a2a figure above); all-reduce busbw scaled by the NVLink ratio. Approximate.
+H800_EFF = replace(HOPPER_EFF, allreduce_busbw=170 * GB)
+# PCIe cards without NVLink (the RTX 3090 as Diffulex profiled it, the L4): collectives cross PCIe Gen4 x16
+#   (32 GB/s per direction); nccl-tests all-reduce on 4 PCIe GPUs reaches ~10-12 GB/s busbw with ~30-50 us small-
+#   message latency (public nccl-tests reports). Approximate.
+PCIE_EFF = Efficiency(gemm=0.70, stream=0.85, gemm_knee_rows=16, launch_s=5e-6, a2a_latency_s=50e-6,
+                      allreduce_latency_s=40e-6, a2a_busbw=10 * GB, allreduce_busbw=11 * GB)
 
 
 PROFILES: dict[str, Hardware] = {
@@ -124,6 +133,23 @@ PROFILES: dict[str, Hardware] = {
     # HBM2e 80 GB at 2,039 GB/s; NVLink 600 GB/s.
     "a100": Hardware("A100 SXM 80GB", 312 * TB, None, None, 2.039 * TB, 80 * GB, 600 * GB, AMPERE_EFF,
                      "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)"),
+    # NVIDIA H800 Tensor Core GPU datasheet (H800 SXM5): the H100 SXM5's tensor rates (BF16 1,979 TFLOPS sparse =
+    # 989.4 dense, FP8 3,958 sparse = 1,979 dense) and HBM3 80 GB at 3.35 TB/s; NVLink 400 GB/s.
+    "h800": Hardware("H800 SXM5 80GB", 989.4 * TB, 1979 * TB, None, 3.35 * TB, 80 * GB, 400 * GB, H800_EFF,
+                     "NVIDIA H800 Tensor Core GPU datasheet (SXM5)"),
+    # NVIDIA HGX H20 product brief: BF16 148 TFLOPS dense, FP8 296 TFLOPS dense, HBM3 96 GB at 4.0 TB/s, NVLink
+    # 900 GB/s. Uncertain: NVIDIA publishes the H20 only in partner briefs, not a public datasheet page.
+    "h20": Hardware("H20 96GB", 148 * TB, 296 * TB, None, 4.0 * TB, 96 * GB, 900 * GB, HOPPER_EFF,
+                    "NVIDIA HGX H20 product brief; uncertain"),
+    # NVIDIA L4 Tensor Core GPU datasheet: BF16 242 TFLOPS with sparsity = 121 dense, FP8 485 sparse = 242.5 dense;
+    # GDDR6 24 GB at 300 GB/s; no NVLink (PCIe Gen4 x16).
+    "l4": Hardware("L4 24GB (PCIe)", 121 * TB, 242.5 * TB, None, 0.3 * TB, 24 * GB, 0.0, PCIE_EFF,
+                   "NVIDIA L4 Tensor Core GPU datasheet"),
+    # NVIDIA Ampere GA102 GPU architecture whitepaper (GeForce RTX 3090): FP16/BF16 tensor with FP32 accumulate 71
+    # TFLOPS dense (142 with sparsity; the GeForce part halves the FP32-accumulate rate); no FP8; GDDR6X 24 GB at
+    # 936 GB/s; collectives over PCIe Gen4 (NVLink bridge not assumed).
+    "rtx3090": Hardware("GeForce RTX 3090 24GB (PCIe)", 71 * TB, None, None, 0.936 * TB, 24 * GB, 0.0, PCIE_EFF,
+                        "NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090)"),
 }
 
 CPU_PROFILE_PATH = os.path.join(os.path.expanduser("~"), ".cache", "dblock", "cpu_profile.json")

@@ -3,16 +3,17 @@
 One Block Ahead (DiffusionGemma, one GB300, batch 1): the fixed-point predictions and break-even verdicts of
 its rows (`oba_rows`), and the position-level α predictions from its OBA α alone (`oba_position_predictions`).
 
-Epoch (LLaDA2.0-mini on 8×H100, TP = EP = SP = 8): two efficiency terms (`cost.Calibration.overhead_s`,
-`moe_row_s`) are fitted on Figure 2 only — 76.4 ms forward at batch 1 with the MoE path 60% of it, 77% at batch
-32 (`fig2_calibration`). Then, with nothing further fitted, the model predicts the Epoch / dense speedup by batch
-size and the dense OOM (`epoch_batch_trend`) and the online P95 ITL curves of Epoch vs the dense path
-(`epoch_serving`).
+Epoch (LLaDA2.0-mini on 8×H100, TP = EP = SP = 8): given a calibration — the published fit (`gpufit.py`, on which
+the paper's MoE shares, its batch-512 speedup and its online figure are calibration points) or the earlier one fitted
+on Figure 2 only (`fig2_calibration`: 76.4 ms forward at batch 1 with the MoE path 60% of it, 77% at batch 32) — the
+model predicts the Epoch / dense speedup by batch size and the dense OOM (`epoch_batch_trend`) and the online P95
+ITL curves of Epoch vs the dense path (`epoch_serving`).
 
 Assumptions that are ours, not the papers' (the papers do not state them; change them with the arguments):
 * Figure 2's forward is one Native(32) block pass per request over a 512-token committed prefix.
-* LLaDA2.0-mini threshold decoding (τ = 0.95) needs n̄ = 10 passes per 32-token block (≈ 3 tokens per forward)
-  and decodes positions at a uniform rate over the block's life (shape 1) — `LLADA2_PROFILE`.
+* LLaDA2.0-mini threshold decoding (τ = 0.95) needs n̄ = 32 / 2.55 = 12.55 passes per 32-token block (its model
+  card's 2.55 tokens per forward) and decodes positions at a uniform rate over the block's life (shape 1) —
+  `LLADA2_PROFILE`.
 * The online workload: prompts of 256 tokens, responses lognormal with mean 256 tokens (cv 0.5), batch cap 256.
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ def oba_gb300_verdict(alpha: float, cache_len: float = 512.0) -> dict:
     """The break-even verdict of OBA in the paper's setting -- DiffusionGemma on one GB300, batch 1 -- for an α
     measured elsewhere (e.g. on a bundled model on this CPU): r from the simulator's pass cost of DiffusionGemma's
     dimensions (`cost.get_model("diffusion-gemma")`, TP = EP = SP = 1, a `cache_len` committed prefix), both with the
-    Figure 2 calibration (the default of `dblock simulate pass`) and as a pure roofline; the verdict uses the
+    Figure 2 calibration (`--calibration fig2`, the earlier default) and as a pure roofline; the verdict uses the
     calibrated r. The paper's own measured r is given beside them: the simulator predicts r, it was not fitted to it."""
     g = cost.get_model("diffusion-gemma")
     hw, par = hardware.get("gb300"), cost.Parallel(1, 1, 1)
@@ -102,11 +103,25 @@ def oba_gb300_verdict(alpha: float, cache_len: float = 512.0) -> dict:
 # ---- Epoch ----------------------------------------------------------------------------------------------------
 
 EPOCH_FIG2 = dict(t_batch1=76.4e-3, moe_share_batch1=0.60, moe_share_batch32=0.77)
-# speedup of Epoch over the strongest baseline, LLaDA2.0-mini on 8×H100 (the paper's table; at 512 the baselines run
-# out of memory, so the 512 range is against the baselines' last feasible configuration)
-EPOCH_SPEEDUP = {128: (1.1, 1.3), 256: (1.3, 1.7), 512: (1.7, 2.7)}
+# speedup of Epoch over the strongest surviving baseline, LLaDA2.0-mini (16B) on 8×H100 (the paper's end-to-end
+# results: about 1.1-1.3x at batch 128 for all three models, 1.6-1.7x at 256 and 1.8-1.9x at 512 on the 16B model; at
+# 512 several baselines run out of memory)
+EPOCH_SPEEDUP = {128: (1.1, 1.3), 256: (1.6, 1.7), 512: (1.8, 1.9)}
 EPOCH_SERVING = dict(sglang_high=(0.100, 0.110), epoch_high=(0.055, 0.060), crossover=16.0, rates=(6, 26))
-LLADA2_PROFILE = ParametricProfile(C=32, passes="gamma:10,0.3", shape=1.0)
+#: LLaDA2.0 model cards (the -CAP cards' comparison, 12 benchmarks, threshold decoding): mini decodes 2.55 tokens per
+#: forward, flash 3.19 — n̄ = 32 / TPF passes per 32-token block
+TPF = {"llada2-mini": 2.55, "llada2-flash": 3.19}
+LLADA2_PROFILE = ParametricProfile(C=32, passes=f"gamma:{32 / TPF['llada2-mini']:.2f},0.3", shape=1.0)
+
+
+def default_passes(model: str) -> str:
+    """The Native passes-per-block distribution a model decodes with when nothing else is given: 32 / TPF of its
+    model card (LLaDA2.0), the One Block Ahead paper's n̄ on DiffusionGemma, else 10 per 32-token block."""
+    if model in TPF:
+        return f"gamma:{32 / TPF[model]:.2f},0.3"
+    if model == "diffusion-gemma":
+        return f"gamma:{paper_native_nbar():.2f},0.3"
+    return "gamma:10,0.3"
 
 
 @dataclass

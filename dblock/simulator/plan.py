@@ -64,6 +64,7 @@ class WorkStats:
     ctx_q95: float           # P95 of prompt + answer (KV reserved per running request)
     live: float
     fresh: float
+    block_q95: float = float("nan")   # P95 over commits of a block's passes (the block latency in iterations)
 
     @property
     def cache_len(self) -> float:
@@ -88,7 +89,7 @@ def _work_stats(C, profile, schedule, alpha, prompt, tokens, n, seed, m_c) -> Wo
     rng = np.random.default_rng([seed, 31])
     pd, td = Dist.parse(prompt), Dist.parse(tokens)
     model = PositionModel(profile, delta=alpha if schedule == "oba" else 0.0)
-    ratios, firsts, totals, ps, ys, lives, freshes = [], [], [], [], [], [], []
+    ratios, firsts, totals, ps, ys, lives, freshes, blocks_n = [], [], [], [], [], [], [], []
     for i in range(n):
         P = max(1, int(round(pd.sample(rng))))
         Y = max(1, int(round(td.sample(rng))))
@@ -99,6 +100,7 @@ def _work_stats(C, profile, schedule, alpha, prompt, tokens, n, seed, m_c) -> Wo
             npass = int(math.ceil(b.passes - 1e-9))
             tok = C if k < K - 1 else Y - C * (K - 1)
             ratios.append(npass / tok)
+            blocks_n.append(npass)
             tot += npass
             lv, fr = per_pass(b.accept, m_c, n=npass)
             lives.extend(lv)
@@ -110,7 +112,7 @@ def _work_stats(C, profile, schedule, alpha, prompt, tokens, n, seed, m_c) -> Wo
     ctx = np.asarray(ps) + np.asarray(ys)
     return WorkStats(float(np.mean(totals)), float(np.percentile(ratios, 95)), float(np.percentile(firsts, 95)),
                      float(np.mean(ps)), float(np.mean(ys)), float(np.percentile(ctx, 95)), float(np.mean(lives)),
-                     float(np.mean(freshes)))
+                     float(np.mean(freshes)), float(np.percentile(blocks_n, 95)))
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,9 @@ def batch_for_cap(cap: int) -> float:
 class Evaluator:
     """The analytic model of one replica shape on one hardware (module docstring, steps 2 and 3)."""
 
-    def __init__(self, cfg: ModelConfig, hw: Hardware, shape: Shape, cal: cost.Calibration, ws: WorkStats):
-        self.cfg, self.hw, self.shape, self.cal, self.ws = cfg, hw, shape, cal, ws
+    def __init__(self, cfg: ModelConfig, hw: Hardware, shape: Shape, cal: cost.Calibration, ws: WorkStats,
+                 itl: str = "epoch"):
+        self.cfg, self.hw, self.shape, self.cal, self.ws, self.itl = cfg, hw, shape, cal, ws, itl
         self.par = shape.par
         self.layout = "oba" if shape.schedule == "oba" else "native"
 
@@ -197,8 +200,9 @@ class Evaluator:
         t, B = s
         # the running batch fluctuates (Poisson-like about its mean): the tails see a batch one P95 swing above it
         t_hi = self.pass_s(high_batch(B), lam * t * (self.ws.prompt_mean + self.ws.y_mean))
-        return dict(iteration_s=t, batch=B, p95_itl_s=t_hi * self.ws.ratio_q95,
-                    p95_ttft_s=t_hi * (self.ws.first_q95 + 1))
+        # a block's latency in iterations: its passes (epoch, block); per token: passes / tokens (dblock, token)
+        per = self.ws.block_q95 if self.itl in ("epoch", "block") else self.ws.ratio_q95
+        return dict(iteration_s=t, batch=B, p95_itl_s=t_hi * per, p95_ttft_s=t_hi * (self.ws.first_q95 + 1))
 
     def memory(self, cap: int) -> cost.Memory:
         ws = self.ws
@@ -244,10 +248,12 @@ class Inputs:
     tokens: str = "lognormal:512,0.5"
     slo_itl: float | None = None
     slo_ttft: float | None = None
-    profile: Profile | None = None      # Native decode profile (None: uniform, passes gamma:10,0.3)
+    profile: Profile | None = None      # Native decode profile (None: uniform, `papers.default_passes`)
     uniform_state: bool = False
     alpha: float = ALPHA_OBA
     cal: cost.Calibration = field(default_factory=cost.Calibration)
+    cal_name: str = "pure roofline"     # where `cal` comes from, for the table
+    itl: str = "epoch"                  # the ITL definition the SLO holds (serving.ITL_DEFINITIONS)
     gpus: tuple = GPUS_PER_REPLICA
     caps: tuple = CAPS
     executors: tuple = EXECUTORS
@@ -261,7 +267,8 @@ class Inputs:
 
     def __post_init__(self):
         if self.profile is None:
-            self.profile = ParametricProfile(C=self.cfg.block_size, passes="gamma:10,0.3")
+            from dblock.simulator.papers import default_passes
+            self.profile = ParametricProfile(C=self.cfg.block_size, passes=default_passes(self.model))
 
     @property
     def schedules(self) -> tuple:
@@ -344,7 +351,7 @@ def search(inp: Inputs, progress: bool = False) -> Result:
     cands, dropped, evs = [], [], {}
     lam_hi = max(1.0, inp.rate) * 1e3
     for sh in shapes:
-        ev = Evaluator(inp.cfg, inp.hardware[sh.hardware], sh, inp.cal, wss[sh.schedule])
+        ev = Evaluator(inp.cfg, inp.hardware[sh.hardware], sh, inp.cal, wss[sh.schedule], inp.itl)
         plan, why = _plan_shape(inp, ev, lam_hi)
         if plan is None:
             dropped.append((sh, why))
@@ -430,7 +437,7 @@ def search(inp: Inputs, progress: bool = False) -> Result:
 
 def _ev_of(inp: Inputs, p: dict, wss: dict) -> Evaluator:
     sh = Shape(p["hardware"], p["gpus_per_replica"], p["tp"], p["ep"], p["sp"], p["executor"], p["schedule"])
-    return Evaluator(inp.cfg, inp.hardware[sh.hardware], sh, inp.cal, wss[sh.schedule])
+    return Evaluator(inp.cfg, inp.hardware[sh.hardware], sh, inp.cal, wss[sh.schedule], inp.itl)
 
 
 def _binding(dropped: list, inp: Inputs) -> str:
@@ -467,13 +474,14 @@ def simulate(inp: Inputs, ev: Evaluator, plan: dict) -> dict:
     from dblock.simulator.serving import simulate_serving
     sc = serve_config(inp, ev, plan)
     res = simulate_serving(sc)
-    itl, ttft = res.itl["p95"], res.ttft["p95"]
+    itl, ttft = res.itl_of(inp.itl)["p95"], res.ttft["p95"]
     # a TTFT objective sees the queue; without one the engine must keep up (or never fill its cap)
     keeps_up = inp.slo_ttft is not None or res.stable or res.peak_batch < plan["batch_cap"]
     meets = (not res.oom and keeps_up and (inp.slo_itl is None or itl <= inp.slo_itl)
              and (inp.slo_ttft is None or ttft <= inp.slo_ttft))
     return dict(p95_itl_s=itl, p95_ttft_s=ttft, throughput_tok_s=res.throughput, peak_batch=res.peak_batch,
-                oom=res.oom, stable=res.stable, meets=bool(meets), requests=sc.requests)
+                oom=res.oom, stable=res.stable, meets=bool(meets), requests=sc.requests,
+                p95_itl_by_definition={d: res.itl_of(d).get("p95") for d in ("epoch", "dblock", "token", "block")})
 
 
 def serve_config(inp: Inputs, ev: Evaluator, plan: dict):
@@ -550,7 +558,7 @@ def band(inp: Inputs, ev: Evaluator, plan: dict) -> dict:
         for vin, prof in vs:
             ws = ev.ws if prof is None and vin.alpha == inp.alpha else work_stats(
                 inp.cfg.block_size, vin.profile, sh.schedule, vin.alpha, inp.prompt, inp.tokens, seed=inp.seed)
-            e2 = Evaluator(inp.cfg, vin.hardware[sh.hardware], sh, inp.cal, ws)
+            e2 = Evaluator(inp.cfg, vin.hardware[sh.hardware], sh, inp.cal, ws, inp.itl)
             p2, _ = _plan_shape(vin, e2, max(1.0, inp.rate) * 1e3)
             if p2 is None:
                 g.append(math.inf)

@@ -9,8 +9,21 @@ request's block has run its passes, the block commits and emits its tokens:
 
     equivalent inter-token latency of a commit = (commit time − block start) / tokens committed
 
+dblock's equivalent ITL (`itl`, docs/counters.md: what `dblock serve` reports, one sample per commit, the first
+block from its first pass). The sources this model is checked against each define an ITL of their own, and all
+three are reported beside it (`ITL_DEFINITIONS`), each as that source computes it from the stream of commits:
+
+    per-token ITL (`itl_token`, SGLang's bench_serving): the gap between two commits spread over the tokens of the
+        later one, one sample per token; the first commit is the TTFT, not an ITL
+    per-block ITL (`itl_block`, vLLM's bench serve): the gap between two commits, one sample per commit after the
+        first
+    Epoch ITL (`itl_epoch`, the Epoch paper's "equivalent ITL"): a block's latency, commit − the block's first pass,
+        one sample per commit, the first block included. Its figures (55–60 ms for Epoch, 100–110 ms for SGLang at
+        16–26 req/s on one 8×H100 node) agree with the costs fitted on the other published measurements only read
+        this way (SIMULATOR.md, "The GPU cost model against published measurements")
+
 TTFT = first commit − arrival (queueing, prefill and the whole first block). Outputs: throughput (tokens/s), TTFT
-and ITL P50/P95/P99 over the measured window, and OOM (the memory of the largest batch against HBM).
+and the four ITLs' P50/P95/P99 over the measured window, and OOM (the memory of the largest batch against HBM).
 
 `max_rate_for_slo` bisects the highest Poisson rate whose P95 ITL holds an SLO; `best_batch_cap` tries caps.
 """
@@ -30,6 +43,17 @@ from dblock.simulator.dists import Dist
 from dblock.simulator.hardware import Hardware
 from dblock.simulator.liveness import per_pass
 from dblock.simulator.positions import ParametricProfile, PositionModel, Profile, simulate_chain
+
+#: the ITL definitions a prediction can be held to (`--itl-definition`): name -> what it is
+ITL_DEFINITIONS = {
+    "epoch": "the Epoch paper's equivalent ITL, read as a block's latency: commit − the block's first pass, one "
+             "sample per block",
+    "dblock": "dblock's equivalent ITL (docs/counters.md): (commit − block start) / tokens committed, one sample per "
+              "block",
+    "token": "SGLang bench_serving's per-token ITL: the gap between two commits spread over the tokens committed, one "
+             "sample per token",
+    "block": "vLLM bench serve's per-block ITL: the gap between two commits, one sample per commit after the first",
+}
 
 
 @dataclass
@@ -74,7 +98,7 @@ class ServeConfig:
 @dataclass
 class ServeResult:
     throughput: float                       # committed tokens / s over the measured window
-    itl: dict                               # p50, p95, p99 (s)
+    itl: dict                               # p50, p95, p99 (s): dblock's equivalent ITL (docs/counters.md)
     ttft: dict
     oom: bool
     peak_batch: int
@@ -85,6 +109,14 @@ class ServeResult:
     completion_rate: float = float("nan")   # measured requests finished per second (arrival of the first → last)
     stable: bool = True                     # the engine keeps up: completion rate >= 90% of the arrival rate
     config: dict = field(default_factory=dict)
+    itl_token: dict = field(default_factory=dict)   # per-token ITL (SGLang's bench_serving)
+    itl_block: dict = field(default_factory=dict)   # per-block ITL (vLLM's bench serve)
+    itl_epoch: dict = field(default_factory=dict)   # the Epoch paper's equivalent ITL, read as a block's latency
+
+    def itl_of(self, definition: str) -> dict:
+        """The ITL percentiles of one definition (`ITL_DEFINITIONS`)."""
+        return {"dblock": self.itl, "token": self.itl_token, "block": self.itl_block, "epoch": self.itl_epoch}[
+            definition]
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -134,7 +166,7 @@ def simulate_serving(sc: ServeConfig, progress: bool = False) -> ServeResult:
     queue: deque = deque()
     arrived = simpy.Store(env)
     running: list[_Req] = []
-    itl, ttft = [], []
+    itl, ttft, itl_token, itl_block, itl_epoch = [], [], [], [], []
     tokens_measured = 0
     t_first_measured = [None]
     t_last = [0.0]
@@ -192,7 +224,12 @@ def simulate_serving(sc: ServeConfig, progress: bool = False) -> ServeResult:
                     K = len(r.blocks)
                     tok = C if r.k < K - 1 else r.Y - C * (K - 1)
                     if r.measured:
-                        itl.append((env.now - r.block_start) / tok)
+                        gap = env.now - r.block_start
+                        itl.append(gap / tok)
+                        itl_epoch.append(gap)
+                        if r.first_commit is not None:      # a gap between two commits (the first is the TTFT)
+                            itl_block.append(gap)
+                            itl_token.extend([gap / tok] * tok)
                         tokens_measured += tok
                         if t_first_measured[0] is None:
                             t_first_measured[0] = r.block_start
@@ -238,7 +275,8 @@ def simulate_serving(sc: ServeConfig, progress: bool = False) -> ServeResult:
                        ttft=_pcts(ttft), oom=mem.oom, peak_batch=stats["peak"], memory=mem.as_dict(),
                        finished=stats["finished"], iterations=stats["iterations"],
                        mean_pass_s=stats["pass_s"] / max(1, stats["iterations"]), completion_rate=completion,
-                       stable=stable,
+                       stable=stable, itl_token=_pcts(itl_token), itl_block=_pcts(itl_block),
+                       itl_epoch=_pcts(itl_epoch),
                        config=dict(path=sc.path, schedule=sc.schedule, rate=sc.rate, batch_cap=sc.batch_cap,
                                    prompt=str(sc.prompt), tokens=str(sc.tokens), requests=n, seed=sc.seed))
 
@@ -255,8 +293,9 @@ def rate_sweep(sc: ServeConfig, rates: Sequence[float], progress: bool = False) 
 
 
 def max_rate_for_slo(sc: ServeConfig, slo_p95_itl: float, rate_lo: float = 0.5, rate_hi: float = 64.0,
-                     iters: int = 8) -> tuple[float, ServeResult | None]:
-    """The highest Poisson rate (req/s) in [rate_lo, rate_hi] whose P95 ITL <= slo (bisection; same seed).
+                     iters: int = 8, itl: str = "dblock") -> tuple[float, ServeResult | None]:
+    """The highest Poisson rate (req/s) in [rate_lo, rate_hi] whose P95 ITL (of definition `itl`,
+    `ITL_DEFINITIONS`) <= slo (bisection; same seed).
 
     A rate counts only if the engine also keeps up with it (`ServeResult.stable`): with a batch cap the ITL stays
     bounded at any load — the excess waits in the queue and shows in TTFT — so the SLO alone is not enough.
@@ -264,7 +303,7 @@ def max_rate_for_slo(sc: ServeConfig, slo_p95_itl: float, rate_lo: float = 0.5, 
     """
     def ok(lam: float) -> tuple[bool, ServeResult]:
         res = simulate_serving(replace(sc, rate=lam))
-        return (res.itl["p95"] <= slo_p95_itl and not res.oom and res.stable), res
+        return (res.itl_of(itl)["p95"] <= slo_p95_itl and not res.oom and res.stable), res
 
     good, res_lo = ok(rate_lo)
     if not good:
@@ -293,7 +332,8 @@ def best_batch_cap(sc: ServeConfig, slo_p95_itl: float, caps: Sequence[int] = (1
         it = tqdm(caps, desc="search batch cap", unit="cap")
     for cap in it:
         rate, res = max_rate_for_slo(replace(sc, batch_cap=int(cap)), slo_p95_itl, **kw)
-        table.append(dict(batch_cap=int(cap), max_rate=rate, p95_itl=None if res is None else res.itl["p95"],
+        table.append(dict(batch_cap=int(cap), max_rate=rate,
+                          p95_itl=None if res is None else res.itl_of(kw.get("itl", "dblock"))["p95"],
                           oom=None if res is None else res.oom))
     best = max(table, key=lambda r: r["max_rate"])
     return dict(best=best, table=table, slo_p95_itl=slo_p95_itl)

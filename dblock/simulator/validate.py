@@ -2,7 +2,8 @@
 
 What the predictions may use (the inputs): the operator profile (`dblock simulate profile`: microbenchmarks of
 single operators and of synthetic calls, no decoding run) scaled by the machine's drift since it was measured (its
-anchor microbenchmarks re-timed now, `profiler.drift`), and the *counters* of one Native run of the reference
+anchor microbenchmarks re-timed around every round of measurements, `profiler.drift`; the rows of absolute times
+bring each measurement to the median drift from its own round's, see `run`), and the *counters* of one Native run of the reference
 executor (per request its prompt length and its blocks' passes and accept passes: `batch.Workload.from_runs`). No
 decoding time of any run is an input. Everything timed below is then held out: other batch sizes, other
 schedules, the Epoch executor, the serving engine at two arrival rates.
@@ -155,10 +156,40 @@ def poisson_arrivals(rate: float, n: int, seed: int) -> list:
     return np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
 
 
+def size_factor(sample: dict, size: float) -> float:
+    """A drift sample's factor for calls of `size` requests: its whole-call anchors (`call_1`, `call_8`,
+    `call_32`) interpolated in log(size) — contention on a shared machine depends on the call's size — else its
+    median factor."""
+    calls = sorted((int(k.split("_")[1]), v) for k, v in (sample.get("anchors") or {}).items()
+                   if k.startswith("call_") and v and math.isfinite(v))
+    if not calls:
+        return float(sample.get("factor", 1.0))
+    xs = np.log([c for c, _ in calls])
+    return float(np.interp(math.log(max(size, 1)), xs, [v for _, v in calls]))
+
+
+def bracket(samples: list, i: int, size: float) -> float:
+    """The drift of the round between samples i and i + 1 (their mean; sample i alone when it is the last)."""
+    if not samples:
+        return 1.0
+    i = min(i, len(samples) - 1)
+    vals = [size_factor(samples[i], size)] + ([size_factor(samples[i + 1], size)] if i + 1 < len(samples) else [])
+    return float(np.mean(vals))
+
+
 def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[str], object]] = None,
-        timer: Callable[[], float] = time.thread_time, progress: Optional[Callable[[str], None]] = None) -> Report:
+        timer: Callable[[], float] = time.thread_time, progress: Optional[Callable[[str], None]] = None,
+        drift_fn: Optional[Callable[[], dict]] = None) -> Report:
     """Measure and predict every row of `plan`. `forward(executor)` makes an executor ("reference" or "epoch")
-    for `model` (default: the real ones); tests pass synthetic executors and a fake `timer`."""
+    for `model` (default: the real ones); tests pass synthetic executors and a fake `timer`. `drift_fn()` re-times
+    the machine's drift (default: `profiler.drift` on the profile's anchors; not measured with synthetic executors
+    unless given): a dict with `factor` and the per-anchor ratios `anchors`.
+
+    Drift: one sample before every round of measurements and one after the last, so every round lies between two.
+    The predictions are scaled by the median factor (ratios divide it out); a row that predicts an absolute time
+    (T_den, serving throughput and P95 ITL) compares with its measurements each brought to that median from its
+    own round's drift (`bracket`: the mean of the samples around the round, of the whole-call anchor of the call's
+    size, `size_factor`)."""
     import dblock
     from dblock.decoding.params import DecodeConfig
     from dblock.tasks import get_task
@@ -195,14 +226,16 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
     say("calibration run (counters only)")
     nat = measure.decode_run(fw["reference"], prompts, dec, "native", batch_size=plan.ratio_batch, timer=timer)
     wl = batch.Workload.from_runs(nat["prompt_lens"], max_new, nat["blocks"], C)
-    drifts: list = []
+    samples: list = []
 
     def sample_drift():
-        # the machine's speed against at profiling, re-timed before every round of measurements: a shared
+        # the machine's speed against at profiling, re-timed around every round of measurements: a shared
         # machine's speed moves by ±20% within minutes, in CPU time too (profiler.drift)
-        if plan.drift and not forward_given:
+        if drift_fn is not None:
+            samples.append(drift_fn())
+        elif plan.drift and not forward_given:
             from dblock.simulator.profiler import drift as measure_drift
-            drifts.append(measure_drift(profile, m, timer=timer)["factor"])
+            samples.append(measure_drift(profile, m, timer=timer))
     cost: dict = {}
 
     def sim(ex, sched, bs):
@@ -226,6 +259,7 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
         jobs[("epoch", "oba", B)] = lambda: measure.decode_run(fw["epoch"], prompts, dec, "oba", B, timer=timer)
     say(f"{len(jobs)} decoding configurations x {plan.repeats} repeats")
     runs = measure.repeated(jobs, plan.repeats, between=sample_drift)
+    decode_samples = len(samples)         # round r of the decoding runs lies between samples r and r + 1
     serve_recs = {}
     for rate in plan.rates:
         arr = poisson_arrivals(rate, plan.serve_requests, plan.seed + int(rate))
@@ -233,14 +267,27 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
         recs = []
         for _ in range(max(1, plan.repeats - 1)):
             sample_drift()
-            recs.append(measure.serve_cpu_clock(fw["reference"], prompts, arr, dec, "native", plan.batch_cap,
-                                                timer=timer))
+            recs.append((len(samples) - 1, measure.serve_cpu_clock(fw["reference"], prompts, arr, dec, "native",
+                                                                   plan.batch_cap, timer=timer)))
         serve_recs[rate] = (arr, recs)
+    sample_drift()                        # the last round's closing sample
+    drifts = [float(x.get("factor", 1.0)) for x in samples]
     factor = float(np.median(drifts)) if drifts else 1.0
-    drift = dict(factor=factor, samples=drifts, note="median over the rounds of (anchor time now / at profiling)"
-                 if drifts else "not measured")
+    drift = dict(factor=factor, samples=drifts, note="median over the samples of (anchor time now / at profiling); "
+                 "absolute rows: each measurement brought to it from its own round's drift" if drifts
+                 else "not measured")
+
+    def normalized(vals: list, rounds: list, size: float, inverse: bool = False) -> list:
+        """Measurements brought to the median drift from their rounds' own (times scale with the drift; a
+        throughput, `inverse`, against it)."""
+        if not samples:
+            return list(vals)
+        out = []
+        for v, r in zip(vals, rounds):
+            k = factor / bracket(samples, r, size)
+            out.append(v / k if inverse else v * k)
+        return out
     cost.update({ex: ProfiledCost(profile, ex, scale=factor) for ex in fw})
-    meas = {k: measure.median_run(v) for k, v in runs.items()}
     rows: list = []
 
     # T_den
@@ -248,9 +295,10 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
                                                               if plan.epoch else []):
         p = sim(ex, "native", bs)
         mid, lo, hi = _interval({q: p[q].t_den for q in QUANTILES})
-        rows.append(Row(f"{ex} native, batch {bs}", "T_den", "ms", mid, lo, hi, meas[(ex, "native", bs)]["den_s"]
-                        / meas[(ex, "native", bs)]["den_calls"],
-                        _spread([r["den_s"] for r in runs[(ex, "native", bs)]])))
+        reps = runs[(ex, "native", bs)]
+        t_den = normalized([r["den_s"] / r["den_calls"] for r in reps], list(range(len(reps))), bs)
+        rows.append(Row(f"{ex} native, batch {bs}", "T_den", "ms", mid, lo, hi, float(np.median(t_den)),
+                        _spread(t_den)))
 
     def ratio_row(name, a, b, quantity="TPS ratio", note=""):
         pa, pb = sim(*a), sim(*b)
@@ -276,12 +324,13 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
     # ---- serving -------------------------------------------------------------------------------------------------
     for rate in plan.rates:
         arr, recs = serve_recs[rate]
-        sums = [batch.serving_summary(r) for r in recs]
+        rounds = [i for i, _ in recs]
+        sums = [batch.serving_summary(r) for _, r in recs]
         pred = {q: batch.serving_summary(batch.records_of(batch.simulate_serving(
             wl, "native", cost["reference"].with_q(q), arr, plan.batch_cap))) for q in QUANTILES}
         for key, label, unit in (("throughput", "throughput", "tok/s"), ("itl_p95", "P95 ITL", "ms")):
             mid, lo, hi = _interval({q: pred[q][key] for q in QUANTILES})
-            vals = [s[key] for s in sums]
+            vals = normalized([s[key] for s in sums], rounds, plan.batch_cap, inverse=key == "throughput")
             rows.append(Row(f"serving reference, {rate:g} req/s", label, unit, mid, lo, hi, float(np.median(vals)),
                             _spread(vals), f"batch cap {plan.batch_cap}, {plan.serve_requests} requests"))
     if plan.alpha_model and not forward_given:

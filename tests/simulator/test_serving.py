@@ -46,6 +46,21 @@ def test_saturated_throughput_follows_the_batch_cap():
     assert res.itl["p50"] == pytest.approx(N_PASSES * T_PASS / 32, rel=1e-6)   # ITL flat: the pass time is flat
 
 
+def test_each_sources_itl_definition_in_closed_form():
+    # answers of 40 tokens: a 32-token block then an 8-token one, one request at a time, every block N_PASSES passes.
+    # dblock's equivalent ITL: block time / its tokens, per block; the Epoch reading: the block time, per block (the
+    # first included); vLLM's per-block: the gaps after the first commit only (the second block's); SGLang's
+    # per-token: each such gap over its 8 tokens, one sample per token
+    res = simulate_serving(_sc(arrivals=[10.0 * i for i in range(8)], warmup_frac=0.0, tokens="const:40"))
+    block = N_PASSES * T_PASS
+    assert sorted([res.itl["p50"], res.itl["p99"]]) == pytest.approx([(block / 32 + block / 8) / 2, block / 8],
+                                                                      rel=1e-2)
+    assert res.itl_epoch["p50"] == pytest.approx(block, rel=1e-9) and res.itl_epoch["p99"] == pytest.approx(block)
+    assert res.itl_block["p50"] == pytest.approx(block, rel=1e-9)
+    assert res.itl_token["p50"] == pytest.approx(block / 8, rel=1e-9)
+    assert res.itl_of("epoch") is res.itl_epoch and res.itl_of("dblock") is res.itl
+
+
 def test_p95_itl_grows_with_rate_on_a_real_device():
     from dblock.simulator import hardware
     sc = dict(hw=hardware.get("h100"), par=cost.Parallel(8, 8, 8), cal=cost.Calibration(overhead_s=1e-3,
