@@ -189,9 +189,9 @@ def state_path(run_dir: str) -> str:
     path = os.path.join(run_dir, STATE_FILE)
     old = os.path.join(run_dir, OLD_STATE_FILE)
     if not os.path.isfile(path) and os.path.lexists(old):
-        raise InputFileError(f"--resume: {old}: a training state in dblock's earlier format (a torch pickle, which "
-                             f"can run code when loaded): dblock now keeps it in {STATE_FILE} and does not open the "
-                             "old file; start the run again (it is not loaded)")
+        raise InputFileError(f"--resume: {old}: a training state in dblock's earlier format, a torch pickle (loading "
+                             f"one can run code), so it is not opened; this dblock resumes from {STATE_FILE} only "
+                             "(safetensors + JSON): start the run again")
     return path
 
 
