@@ -421,7 +421,7 @@ def _schedule_names(a) -> list:
 #: checked by `dblock.decoding.flags.decode_config` with ctx family, rule and sampling = the masked sampling
 #: temperature) and the schedule
 DECODE_RULES = (
-    FlagRule(("--threshold", "--max-steps", "--threshold-inclusive"),
+    FlagRule(("--threshold", "--max-steps", "--threshold-inclusive", "--threshold-steps"),
              "to the threshold rule (--rule threshold, the masked models' default)",
              lambda a, c: c["rule"] == "threshold", stage="decode"),
     FlagRule("--steps", "to the fixed-k and entropy-bound rules (the threshold rule's cap is --max-steps)",
@@ -432,6 +432,8 @@ DECODE_RULES = (
     FlagRule(("--sampling-temperature", "--mask-policy"),
              "to the masked models (llada2_moe, llada_moe); a uniform-state model samples with the entropy-bound rule",
              lambda a, c: c["family"] != "diffusion_gemma", stage="decode"),
+    FlagRule("--no-cache", "to llada2_moe's block-causal grid (the other families recompute nothing)",
+             lambda a, c: c["family"] == "llada2_moe", stage="decode"),
     FlagRule(("--window", "--gate"), "to the flowblock schedule (--schedule flowblock)",
              lambda a, c: "flowblock" in _schedule_names(a)),
 )

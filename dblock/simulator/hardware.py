@@ -163,7 +163,7 @@ def load(path: str) -> Hardware:
         raise InputFileError(f"--hardware {path}: not a hardware profile ({e})") from None
     checks = [(k, getattr(hw, k), k in ("fp8_flops", "fp4_flops"), k == "nvlink_bw")
               for k in ("bf16_flops", "fp8_flops", "fp4_flops", "hbm_bw", "hbm_bytes", "nvlink_bw")]
-    checks += [(f"eff.{k}", getattr(eff, k), False, False) for k in vars(eff)]
+    checks += [(f"eff.{k}", getattr(eff, k), False, k not in ("gemm", "stream")) for k in vars(eff)]
     for key, v, nullable, zero_ok in checks:
         if v is None and nullable:
             continue

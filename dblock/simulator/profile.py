@@ -246,8 +246,9 @@ class Profile:
         return Profile.from_dict(read_json(path, flag), where(path, flag))
 
 
-#: tables that are a whole call (or iteration) measured minus its operators: a value may be <= 0 at some grid points
-#: (noise; priced as 0), though not at all of them. Every other table is an operator timed on its own: > 0 everywhere.
+#: tables that are a whole call (or iteration) measured minus its operators: a value may be <= 0 (noise, or nothing
+#: left over; priced as 0), though not < 0 everywhere. Every other table is an operator timed on its own: > 0
+#: everywhere.
 RESIDUAL_TABLES = ("call_denoise", "call_append", "epoch_call_denoise", "driver", "admit")
 #: grid points one table may have (checked before its values are read into arrays), seconds one value may be
 MAX_TABLE_POINTS = 1 << 20
@@ -281,7 +282,7 @@ def check_profile_dict(d: dict, where: str) -> None:
 
     class Meta(BaseModel):
         model_config = ConfigDict(extra="allow")
-        model: Model
+        model: Optional[Model] = None            # what pricing needs (`ProfiledCost` names it when absent)
 
     class Table(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -318,7 +319,7 @@ def check_profile_dict(d: dict, where: str) -> None:
             if n != points:
                 raise InputFileError(f"{where}: table {name}: {q} has {n} values for {points} grid points")
     m = doc.meta.model
-    if m.n_moe_layers > m.num_hidden_layers or m.num_experts_per_tok > m.num_experts:
+    if m is not None and (m.n_moe_layers > m.num_hidden_layers or m.num_experts_per_tok > m.num_experts):
         raise InputFileError(f"{where}: meta.model: n_moe_layers {m.n_moe_layers} of {m.num_hidden_layers} layers, "
                              f"top-{m.num_experts_per_tok} of {m.num_experts} experts: inconsistent")
 
@@ -342,8 +343,8 @@ def _count_numbers(v, limit: int, depth: int) -> int:
 
 def check_table_values(t: "OpTable", where: str) -> None:
     """A table's times are seconds: finite (checked by OpTable), at most `MAX_SECONDS`, an operator's > 0 at every
-    grid point, a residual table's (`RESIDUAL_TABLES`) > 0 at one at least: a table of times <= 0 would price its
-    calls as free."""
+    grid point (an operator that costs nothing is not a measurement, and would price its calls as free), a residual
+    table's (`RESIDUAL_TABLES`) not < 0 everywhere."""
     from dblock.errors import InputFileError
     for q in QUANTILES:
         a = getattr(t, q)
@@ -351,9 +352,9 @@ def check_table_values(t: "OpTable", where: str) -> None:
             raise InputFileError(f"{where}: table {t.name}: {q} has {float(np.abs(a).max()):g} s, beyond "
                                  f"{MAX_SECONDS:g} s for one operator")
     if t.name in RESIDUAL_TABLES:
-        if not (t.median > 0).any():
-            raise InputFileError(f"{where}: table {t.name}: no median time > 0 (min {float(t.median.min()):g} s): "
-                                 "it would price every call as free")
+        if (t.median < 0).all():
+            raise InputFileError(f"{where}: table {t.name}: every median time < 0 (max {float(t.median.max()):g} s): "
+                                 "not a measurement")
     elif not (t.median > 0).all() or not (t.lo >= 0).all():
         bad = float(min(t.median.min(), t.lo.min()))
         raise InputFileError(f"{where}: table {t.name}: a time <= 0 ({bad:g} s); an operator's measured times are "
