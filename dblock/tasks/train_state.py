@@ -294,13 +294,13 @@ def _restore(state: TrainState, model, opt) -> torch.Tensor:
         # every place known and checked: read
         model.load_state_dict({k[len("model."):]: f.get_tensor(k) for k in expected})
         for idx, st in opt_state.items():
-            for key in st:
-                st[key] = f.get_tensor(f"optimizer.{idx}.{key}")
+            for key in st:     # copies: the optimizer keeps them, and the file's mapping must not outlive it
+                st[key] = f.get_tensor(f"optimizer.{idx}.{key}").clone()
             step = st.get("step")
             if step is not None and not (math.isfinite(float(step)) and 0 <= float(step) <= MAX_TOTAL_STEPS):
                 raise InputFileError(f"--resume: {path}: optimizer.{idx}.step is {float(step)}, not a step count")
-        loads = f.get_tensor("loads")
-        torch_rng = f.get_tensor("torch_rng")
+        loads = f.get_tensor("loads").clone()
+        torch_rng = f.get_tensor("torch_rng").clone()
     opt.load_state_dict({"state": opt_state, "param_groups": groups})
     try:
         torch.set_rng_state(torch_rng)
@@ -343,10 +343,11 @@ def contents(path: str) -> dict:
     """Everything in a state file, for inspection and tests: the validated metadata's fields plus `model` (the
     state_dict), `optimizer` ({index: {key: tensor}}), `loads` and `torch_rng`. Reading tensors from a
     safetensors file runs nothing; nothing is checked against a model."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
     st = read(path)
     try:
-        t = load_file(path)
+        with open(path, "rb") as f:
+            t = load(f.read())          # from bytes: nothing stays mapped to the file
     except Exception as e:  # noqa: BLE001
         raise InputFileError(f"{path}: not a readable train state ({_reason(e)})") from None
     opt: dict = {}

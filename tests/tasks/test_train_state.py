@@ -133,10 +133,10 @@ def _rewrite(src, dst, meta=None, tensors=None):
     """Copy the state file at `src` to `dst` with its metadata dict edited by `meta(d)` and its tensors by
     `tensors(t)` (each returns the new value)."""
     from safetensors import safe_open
-    from safetensors.torch import load_file, save
+    from safetensors.torch import load, save
     with safe_open(str(src), "pt") as f:
         d = json.loads(f.metadata()[META_KEY])
-    t = load_file(str(src))
+    t = load(src.read_bytes())
     d = meta(d) if meta else d
     t = tensors(t) if tensors else t
     text = d if isinstance(d, str) else json.dumps(d)
