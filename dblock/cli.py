@@ -20,12 +20,12 @@ import json
 import os
 import sys
 
-from dblock.cli_args import (ArgumentParser, add_batch_size_arg, add_decode_args, add_executor_args, add_model_args,
-                             add_special_tokens_arg, int_arg, seed_arg)
+from dblock.cli_args import (ArgumentParser, FlagRule, add_batch_size_arg, add_decode_args, add_executor_args,
+                             add_flag_rules, add_model_args, add_special_tokens_arg, check_flag_rules, int_arg, seed_arg)
 from dblock.decoding import cli as decoding_cli
 from dblock.decoding.flags import check_fits, decode_config, schedule_from_args
 from dblock.equivalence import cli as equivalence_cli
-from dblock.errors import DblockError
+from dblock.errors import DblockError, StdoutError
 from dblock.model_flags import load_model, make_forward, model_config, prepare_triton
 from dblock.out_paths import check_out_dir, check_out_file
 from dblock.prompts import encode_texts, load_tokenizer, parse_ids
@@ -86,6 +86,8 @@ def _generate_args(p):
     p.add_argument("--json", action="store_true",
                    help="print {tokens, text, finish_reason, n, counters} as JSON (outputs prompt-major)")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
+    add_flag_rules(p, FlagRule("--allow-special-tokens", "with a text --prompt (--prompt-ids are token ids already)",
+                               lambda a, c: bool(a.prompt)))
 
 
 def _generate(args) -> int:
@@ -212,6 +214,11 @@ def main(argv=None) -> int:
         ap.print_help(sys.stderr)
         print("dblock: error: give a command (the list above; `dblock COMMAND --help` for one)", file=sys.stderr)
         return 2
+    try:
+        check_flag_rules(args)           # a flag given where it would do nothing: refused before anything runs
+    except DblockError as e:
+        print(f"dblock: error: {e}", file=sys.stderr)
+        return 2
     prepare_triton(args)                 # --use-triton without CUDA: interpreter mode, before triton is imported
     import torch
     torch.set_num_threads(args.threads)
@@ -221,17 +228,70 @@ def main(argv=None) -> int:
         if not is_rank0():
             sys.stdout = open(os.devnull, "w")
             os.environ["TQDM_DISABLE"] = "1"     # progress bars too (tqdm >= 4.66 reads it)
+    out = sys.stdout
+    sys.stdout = _Stdout(out)
     try:
-        return args._run(args) or 0
+        rc = args._run(args) or 0
+        sys.stdout.flush()               # a full disk behind `> file` shows here, not at exit
+        return rc
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one clear line, no traceback (DBLOCK_DEBUG=1 re-raises)
         if os.environ.get("DBLOCK_DEBUG"):
             raise
+        if isinstance(e, StdoutError):
+            _drop_stdout(out)
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"{prog}: {error_kind(e)}: {msg}", file=sys.stderr)
         return 2
+    finally:
+        if isinstance(sys.stdout, _Stdout):
+            sys.stdout = out
+
+
+class _Stdout:
+    """sys.stdout while a command runs: a write or flush that fails (ENOSPC, EFBIG, EPIPE) is one StdoutError naming
+    stdout and the cause, instead of an `internal error (OSError)` from whichever print happened to flush."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise _stdout_error(e) from None
+
+    def flush(self):
+        try:
+            return self._stream.flush()
+        except OSError as e:
+            raise _stdout_error(e) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _stdout_error(e: OSError) -> StdoutError:
+    import errno
+    cause = (f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}" if e.errno else str(e) or type(e).__name__)
+    return StdoutError(f"stdout: could not be written ({cause}); the output is incomplete")
+
+
+def _drop_stdout(stream) -> None:
+    """After a failed write to stdout: point its file descriptor at /dev/null, so that the interpreter's flush at
+    exit (of what is still buffered) cannot fail a second time with a traceback."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

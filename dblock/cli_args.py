@@ -52,9 +52,86 @@ class ArgumentParser(argparse.ArgumentParser):
             text = f"{names.split('/')[-1]} {rest}"
         self.exit(2, f"dblock: error: {text} (see `{self.prog} --help`)\n")
 
+    # Which options the command line gave (not their defaults): `given(args, dest)`. argparse converts the values of
+    # an option that is present through `_get_values`, and only then; a subcommand's parser records its own and
+    # argparse copies its namespace, `GIVEN` included, into the parent's.
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = set()
+        ns, rest = super().parse_known_args(args, namespace)
+        setattr(ns, GIVEN, frozenset(getattr(ns, GIVEN, frozenset()) | self._given))
+        return ns, rest
+
+    def _get_values(self, action, arg_strings):
+        if action.option_strings:
+            self._given.add(action.dest)
+        return super()._get_values(action, arg_strings)
+
 
 #: the types' messages start with it, so that `ArgumentParser.error` can put the flag in front of the value
 _VALUE_MARK = "= "
+
+#: the parsed namespace's attribute holding the dests of the options the command line gave
+GIVEN = "_given"
+
+
+def given(args, dest: str) -> bool:
+    """Whether the command line gave option `dest` (a namespace not built by `ArgumentParser`: never)."""
+    return dest in getattr(args, GIVEN, ())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the flag rule: every flag takes effect or is refused by name
+# ---------------------------------------------------------------------------------------------------------------
+
+class FlagRule:
+    """Options that act only in one mode of their command (an executor, a schedule, a rule, another flag).
+
+    `flags`: the options, as spelled on the command line (`--lsp-drift`); `needs`: the mode, as a phrase that
+    completes "applies only ..." (`with --executor epoch (the reference executor has no LSP)`); `active(args, ctx)`:
+    whether that mode is on for these parsed arguments. `stage` "parse" rules are checked by `dblock.cli.main` right
+    after parsing, before anything runs; rules whose mode depends on the model (its family, the step rule it
+    decodes with) are checked where that is known, with what is known as `ctx` (`dblock.decoding.flags`:
+    `stage="decode"`, ctx `family`, `rule`, `sampling`). A given option whose mode is off is a `ConfigError`
+    naming it: it would do nothing. Commands attach their rules with `add_flag_rules`; tests/cli/test_flag_rules.py
+    walks every command's parser and gives each such option without its mode."""
+
+    def __init__(self, flags, needs: str, active, stage: str = "parse", dests: dict | None = None):
+        self.flags = (flags,) if isinstance(flags, str) else tuple(flags)
+        self.needs, self.active, self.stage = needs, active, stage
+        self.dests = dict(dests or {})         # flag -> its argparse dest, filled by `add_flag_rules`
+
+    def __repr__(self):
+        return f"FlagRule({', '.join(self.flags)}: {self.needs})"
+
+
+def add_flag_rules(p, *rules: FlagRule) -> None:
+    """Attach `rules` to parser `p` (kept in its defaults as `_flag_rules`, beside the rules already there). Each
+    flag must already be an option of `p` (a misspelt rule fails here, when the parser is built)."""
+    bound = []
+    for r in rules:
+        dests = {}
+        for f in r.flags:
+            if f not in p._option_string_actions:
+                raise ValueError(f"flag rule {r}: {p.prog} has no option {f}")
+            dests[f] = p._option_string_actions[f].dest
+        bound.append(FlagRule(r.flags, r.needs, r.active, r.stage, dests))
+    p.set_defaults(_flag_rules=tuple(p.get_default("_flag_rules") or ()) + tuple(bound))
+
+
+def flag_rules(p) -> tuple:
+    """The rules attached to parser `p`."""
+    return tuple(p.get_default("_flag_rules") or ())
+
+
+def check_flag_rules(args, stage: str = "parse", **ctx) -> None:
+    """Refuse the first option the command line gave whose rule of `stage` says its mode is off (see `FlagRule`)."""
+    from dblock.errors import ConfigError
+    for rule in getattr(args, "_flag_rules", ()) or ():
+        if rule.stage != stage:
+            continue
+        gave = [f for f in rule.flags if given(args, rule.dests[f])]
+        if gave and not rule.active(args, ctx):
+            raise ConfigError(f"{gave[0]}: applies only {rule.needs}; here it would do nothing (refused, not ignored)")
 
 
 class ValueRefused(argparse.ArgumentTypeError):
@@ -261,7 +338,8 @@ def resolve_max_new_tokens(args, task=None) -> None:
         args.max_new_tokens = getattr(task, "max_new_tokens", None) or 128
 
 
-def add_decode_args(p):
+def add_decode_args(p, serving: bool = False):
+    """The decoding flags, with their rules (`DECODE_RULES`; `SAMPLING_RULES` unless `serving`)."""
     g = p.add_argument_group("decoding")
     g.add_argument("--max-new-tokens", type=int_arg(1, MAX_TOKENS), default=128,
                    help="generation budget per request (default 128; prompt + budget must fit the model's positions)")
@@ -329,6 +407,45 @@ def add_decode_args(p):
                         "--max-new-tokens; default 0)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="EOS does not end generation (stop ids and --stop still do): decode to --max-new-tokens")
+    add_flag_rules(p, *DECODE_RULES, *([] if serving else SAMPLING_RULES))
+
+
+def _schedule_names(a) -> list:
+    """The schedules a command runs: --schedule, or compare-schedules' --schedules (default: all, FlowBlock too)."""
+    if hasattr(a, "schedules"):
+        return [s.strip() for s in str(a.schedules or "flowblock").split(",")]
+    return [str(getattr(a, "schedule", "native"))]
+
+
+#: the decoding flags that act in one mode only: the step rule (known once the model's family is: stage "decode",
+#: checked by `dblock.decoding.flags.decode_config` with ctx family, rule and sampling = the masked sampling
+#: temperature) and the schedule
+DECODE_RULES = (
+    FlagRule(("--threshold", "--max-steps", "--threshold-inclusive", "--threshold-steps"),
+             "to the threshold rule (--rule threshold, the masked models' default)",
+             lambda a, c: c["rule"] == "threshold", stage="decode"),
+    FlagRule("--steps", "to the fixed-k and entropy-bound rules (the threshold rule's cap is --max-steps)",
+             lambda a, c: c["rule"] in ("fixed-k", "entropy-bound"), stage="decode"),
+    FlagRule(("--entropy-bound", "--stability", "--confidence"),
+             "to the entropy-bound rule of the uniform-state models (DiffusionGemma)",
+             lambda a, c: c["rule"] == "entropy-bound", stage="decode"),
+    FlagRule(("--sampling-temperature", "--mask-policy"),
+             "to the masked models (llada2_moe, llada_moe); a uniform-state model samples with the entropy-bound rule",
+             lambda a, c: c["family"] != "diffusion_gemma", stage="decode"),
+    FlagRule("--no-cache", "to llada2_moe's block-causal grid (the other families recompute nothing)",
+             lambda a, c: c["family"] == "llada2_moe", stage="decode"),
+    FlagRule(("--window", "--gate"), "to the flowblock schedule (--schedule flowblock)",
+             lambda a, c: "flowblock" in _schedule_names(a)),
+)
+#: the flags of a masked model's token sampler, which do nothing under greedy decoding. Not on `dblock serve`,
+#: whose requests may sample whatever the server's defaults
+SAMPLING_RULES = (
+    FlagRule(("--top-p", "--top-k"), "to a masked model sampling with --temperature T > 0 (greedy decoding takes "
+             "the argmax)", lambda a, c: c["family"] != "diffusion_gemma" and c["sampling"] > 0, stage="decode"),
+    FlagRule("--seed", "to what draws random numbers: a uniform-state model's noise, or a masked model sampling with "
+             "--temperature T > 0 (greedy decoding draws nothing)",
+             lambda a, c: c["family"] == "diffusion_gemma" or c["sampling"] > 0, stage="decode"),
+)
 
 
 def add_batch_size_arg(p, default=None, help_=None):
@@ -385,3 +502,39 @@ def add_executor_args(p):
     g.add_argument("--ep-dispatch", default="freshlane", choices=["freshlane", "dense"],
                    help="with --ep / torchrun: move only fresh rows (freshlane, default) or every row (dense, for "
                         "comparison); traces count both either way")
+    add_flag_rules(p, *EXECUTOR_RULES)
+
+
+def _epoch(a) -> bool:
+    return getattr(a, "executor", "reference") == "epoch"
+
+
+def _under_torchrun() -> bool:
+    from dblock.ranks import under_torchrun
+    return under_torchrun()
+
+
+#: the executor flags that act in one mode only: the epoch executor, and within it its configurations
+#: (dblock/optimized/plan.py `EpochConfig.named`: epoch = Atlas + LSP, no_atlas, no_lsp, full_compute = neither,
+#: dense = the reference)
+EXECUTOR_RULES = (
+    FlagRule(("--epoch-config", "--refresh", "--atlas-alpha", "--atlas-q", "--update-every", "--atlas-m", "--atlas-B",
+              "--atlas-beta", "--atlas-c", "--margin-refresh", "--lsp-drift", "--use-triton", "--epoch-path",
+              "--path-profile", "--ep", "--ep-dispatch"),
+             "with --executor epoch (the reference executor runs every expert on every row: it has no Expert Atlas, "
+             "LSP, pass paths, Triton kernels or expert parallelism)", lambda a, c: _epoch(a)),
+    FlagRule(("--use-triton", "--epoch-path", "--path-profile", "--ep"),
+             "to an --epoch-config other than dense (dense is the reference executor)",
+             lambda a, c: a.epoch_config != "dense"),
+    FlagRule(("--atlas-alpha", "--atlas-q", "--update-every", "--atlas-m", "--atlas-B", "--atlas-beta", "--atlas-c"),
+             "to the --epoch-config values with Expert Atlas (epoch, no_lsp)",
+             lambda a, c: a.epoch_config in ("epoch", "no_lsp")),
+    FlagRule(("--refresh", "--lsp-drift"), "to the --epoch-config values with LSP (epoch, no_atlas)",
+             lambda a, c: a.epoch_config in ("epoch", "no_atlas")),
+    FlagRule("--margin-refresh", "to the approximate --epoch-config values (epoch, no_atlas, no_lsp): full_compute "
+             "and dense are exact", lambda a, c: a.epoch_config in ("epoch", "no_atlas", "no_lsp")),
+    FlagRule("--path-profile", "to the auto pass path (--epoch-path auto, the default): a pinned path asks no model",
+             lambda a, c: a.epoch_path in (None, "auto")),
+    FlagRule("--ep-dispatch", "with --ep N or under torchrun (one process has nothing to dispatch)",
+             lambda a, c: a.ep is not None or _under_torchrun()),
+)

@@ -33,6 +33,13 @@ class PromptError(DblockError, ValueError):
     that would produce a control token. The message names the prompt, the character and its position."""
 
 
+class InputFileError(DblockError, ValueError):
+    """A file given to a command (a trace, an operator profile, a path profile, arrival times, a run folder's train
+    state, saved results) that is missing, too large, not UTF-8, not JSON, or not what it should be: the message
+    names the flag, the file and, where it can, the line, the key, the value and what is allowed. Such files are
+    data: nothing in them is ever run (no pickle, no eval)."""
+
+
 class DistributedError(DblockError, RuntimeError):
     """A torch.distributed run that failed or timed out; the message says which ranks and what they were doing."""
 
@@ -47,6 +54,11 @@ class WriteError(DblockError, OSError):
 
     def __reduce__(self):
         return (type(self), (self.path, self.detail))
+
+
+class StdoutError(DblockError, OSError):
+    """Standard output could not be written (a full disk or a file-size limit behind a redirect, a closed pipe): the
+    message names stdout and the cause; what was printed before is all the output there is."""
 
 
 def write_failure(path: str, e: BaseException) -> "WriteError":

@@ -94,8 +94,11 @@ def _path_model(path):
     from dblock.optimized.plan import PathModel
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--path-profile {path}: no such file")
+    from dblock.errors import InputFileError
     try:
         return PathModel.load(path)
+    except InputFileError:
+        raise
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--path-profile {path}: {e}") from None
 

@@ -90,20 +90,120 @@ def _jsonable(o):
     return str(o)
 
 
-def read_trace(path: str) -> Iterator[dict]:
-    """Yield the events of a JSON-lines trace; a malformed line is an error naming its line number."""
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not a JSON object ({e})") from None
-            if not isinstance(ev, dict) or "event" not in ev:
-                raise ValueError(f"{path}:{i}: trace line without an 'event' key")
-            yield ev
+#: bounds of what a trace may say (dblock.cli_args: MAX_STEPS passes per block, MAX_TOKENS tokens); a block's
+#: per-position lists are at most MAX_BLOCK long
+MAX_PASSES = 4096
+MAX_TOKENS = 1 << 24
+MAX_BLOCK = 1 << 16
+_SCHEMAS: dict = {}
+
+
+def _schemas() -> dict:
+    """The pydantic models of the events readers use, by kind (built on first use: pydantic is not imported at
+    startup). Unknown keys are kept (writers may add fields); the keys readers rely on are typed, finite and
+    bounded, so that a trace never drives an allocation or a loop beyond what dblock itself could have written."""
+    if _SCHEMAS:
+        return _SCHEMAS
+    from typing import Annotated, Any, Literal, Optional, Union
+
+    from pydantic import BaseModel, ConfigDict, Field
+
+    def Int(lo=0, hi=MAX_TOKENS):
+        return Annotated[int, Field(strict=True, ge=lo, le=hi)]
+    Secs = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=1e9)]
+    Id = Union[Annotated[int, Field(strict=True)], str, list]
+
+    class Event(BaseModel):
+        model_config = ConfigDict(extra="allow")
+
+    class Decode(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        max_new_tokens: Optional[Int(1)] = None
+        block_size: Optional[Int(1, MAX_BLOCK)] = None
+
+    class RunEvent(Event):
+        event: Literal["run"]
+        model: Optional[str] = None
+        family: Optional[str] = None
+        executor: Optional[str] = None
+        schedule: Optional[str] = None
+        decode: Optional[Decode] = None
+        gate: Optional[Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=1.0)]] = None
+
+    class PassEvent(Event):
+        event: Literal["pass"]
+        kind: Optional[Literal["prefill", "append", "denoise"]] = None
+        batch: Optional[Int(0, 1 << 20)] = None
+        rows: Optional[Int()] = None
+        live: Optional[Int()] = None
+        decoded: Optional[Int()] = None
+        cache_len: Optional[list[Int()]] = None
+        segments: Optional[list[list[tuple[Int(-1), str, Int()]]]] = None
+        wall_s: Optional[Secs] = None
+        moe_s: Optional[Secs] = None
+        fresh: Optional[Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=MAX_TOKENS)]] = None
+
+    class BlockEvent(Event):
+        event: Literal["block"]
+        request: Id = 0
+        block: Int(-1) = 0
+        size: Optional[Int(1, MAX_BLOCK)] = None
+        passes: Int(0, MAX_PASSES)
+        tokens: Int(0, MAX_BLOCK) = 0
+        warmup_steps: Optional[Int(0, MAX_PASSES)] = None
+        accept_pass: Optional[Annotated[list[Int(-1, MAX_PASSES)], Field(max_length=MAX_BLOCK)]] = None
+        kept: Optional[Annotated[list[Annotated[bool, Field(strict=True)]], Field(max_length=MAX_BLOCK)]] = None
+
+    class RequestEvent(Event):
+        event: Literal["request"]
+        request: Id = 0
+        prompt_len: Optional[Int()] = None
+        Y: Int() = 0
+        K: Int() = 0
+        F: Int(0, MAX_TOKENS * MAX_PASSES) = 0
+        Q: Optional[Int(0, MAX_TOKENS * MAX_PASSES)] = None
+        den_s: Optional[Secs] = None
+        wall_s: Optional[Secs] = None
+        arrival_s: Optional[Secs] = None
+
+    _SCHEMAS.update({"run": RunEvent, "pass": PassEvent, "block": BlockEvent, "request": RequestEvent})
+    return _SCHEMAS
+
+
+def check_event(ev, source: str) -> dict:
+    """A trace event as readers use it: a JSON object with an `event` key; a `run`, `pass`, `block` or `request`
+    event checked against its schema (`_schemas`): an InputFileError naming `source` (file and line), the key and
+    the value otherwise. Request ids written as lists (compare-schedules' (offset, case)) become tuples."""
+    from dblock.errors import InputFileError
+    from dblock.input_files import validation_message
+    if not isinstance(ev, dict) or "event" not in ev:
+        raise InputFileError(f"{source}: not a trace event (a JSON object with an 'event' key)")
+    model = _schemas().get(ev["event"]) if isinstance(ev["event"], str) else None
+    if model is None:
+        return ev
+    from pydantic import ValidationError
+    try:
+        model.model_validate(ev)
+    except ValidationError as e:
+        raise InputFileError(f"{source}: {ev['event']} event: {validation_message(e)}") from None
+    if isinstance(ev.get("request"), list):
+        ev = {**ev, "request": tuple(ev["request"])}
+    acc, kept = ev.get("accept_pass"), ev.get("kept")
+    if acc is not None and kept is not None and len(acc) != len(kept):
+        raise InputFileError(f"{source}: block event: kept has {len(kept)} entries for {len(acc)} accept_pass "
+                             "entries")
+    if acc is not None and ev.get("size") is not None and len(acc) > ev["size"]:
+        raise InputFileError(f"{source}: block event: {len(acc)} accept_pass entries in a block of size "
+                             f"{ev['size']}")
+    return ev
+
+
+def read_trace(path: str, flag: str | None = None) -> Iterator[dict]:
+    """Yield the events of a JSON-lines trace, each checked (`check_event`); a line that is not UTF-8, not JSON or
+    not a valid event is an InputFileError naming `flag`, the file and the line."""
+    from dblock.input_files import read_jsonl, where
+    for i, ev in read_jsonl(path, flag):
+        yield check_event(ev, f"{where(path, flag)}:{i}")
 
 
 def events(trace: Iterable[dict], kind: str) -> list[dict]:

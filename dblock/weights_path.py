@@ -75,6 +75,7 @@ def hf_cached_snapshot(repo_id: str, revision: Optional[str] = None, cache_dir: 
     directly (`models--org--name/refs/<revision>` -> `snapshots/<commit>/`). A snapshot the cache knows to be
     incomplete is a WeightsError."""
     cache_dir = cache_dir or hf_cache_dir()
+    _check_ref(cache_dir, repo_id, revision or "main")
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -98,6 +99,32 @@ def hf_cached_snapshot(repo_id: str, revision: Optional[str] = None, cache_dir: 
             commit = f.read().strip()
     folder = os.path.join(storage, "snapshots", commit)
     return folder if os.path.isdir(folder) else None
+
+
+#: what huggingface_hub writes into a cache's refs/<branch or tag>: the commit hash the ref points at
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def _check_ref(cache_dir: str, repo_id: str, rev: str) -> None:
+    """A cache's `refs/<rev>` file, when there is one, must hold a commit hash: anything else ('../../x', a path)
+    would lead the snapshot lookup out of the repository's `snapshots/` -- a damaged or tampered cache, refused by
+    name (not taken for a missing model)."""
+    ref = os.path.join(cache_dir, "models--" + repo_id.replace("/", "--"), "refs", rev)
+    if not os.path.isfile(ref):
+        return
+    try:
+        with open(ref, "rb") as f:
+            raw = f.read(256)
+    except OSError as e:
+        raise WeightsError(f"{repo_id}: local Hugging Face cache: {ref} cannot be read ({e.strerror or e})") from None
+    text = raw.decode("utf-8", "replace").strip()
+    if not _COMMIT.match(text):
+        shown = text[:60] if text.isprintable() else repr(text[:60])
+        out = ("; it would lead out of the repository's snapshots/ folder" if "/" in text or "\\" in text or
+               ".." in text else "")
+        raise WeightsError(f"{repo_id}: local Hugging Face cache: {ref} holds {shown!r}, not a commit hash (40 hex "
+                           f"digits, what huggingface_hub writes there){out}: the cache is damaged or was tampered "
+                           "with, so it is not used (fix or delete that file)")
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import os
 
-from dblock.cli_args import (MAX_BATCH, MAX_PROBLEMS, add_decode_args, add_executor_args, add_model_args,
-                             add_special_tokens_arg, int_arg, resolve_max_new_tokens, seeds_arg)
+from dblock.cli_args import (MAX_BATCH, MAX_PROBLEMS, FlagRule, add_decode_args, add_executor_args, add_flag_rules,
+                             add_model_args, add_special_tokens_arg, int_arg, resolve_max_new_tokens, seeds_arg)
 from dblock.decoding.flags import check_fits, check_seed_span, decode_config, schedule_from_args
 from dblock.model_flags import load_model, make_forward, model_config
 from dblock.out_paths import check_out_dir
@@ -40,6 +40,13 @@ def add_parser(sub) -> None:
     add_decode_args(p)
     add_executor_args(p)
     p.set_defaults(_run=run, max_new_tokens=None)     # None: the task's own length (code: 64), else 128
+    add_flag_rules(p, FlagRule(("--schedule", "--seed"), "to one decoding run; compare-schedules runs every schedule "
+                               "of --schedules, case i under seed offset s with seed s + i (--seeds)",
+                               lambda a, c: False),
+                   FlagRule("--n", "with --task (--prompts decodes every prompt of its file)",
+                            lambda a, c: a.task is not None),
+                   FlagRule("--allow-special-tokens", "with --prompts (the text of a task's prompts is never "
+                            "special)", lambda a, c: a.prompts is not None))
 
 
 def _prompts(args, folder, cfg):
@@ -47,11 +54,13 @@ def _prompts(args, folder, cfg):
     tok = load_tokenizer(folder)
     if args.task:
         from dblock.tasks.cli import task_from_name
-        from dblock.tasks.evaluate import TokenizerAdapter, prompts_and_grader
+        from dblock.tasks.evaluate import TokenizerAdapter, encode_task_prompts, prompts_and_grader
         if tok is None:
             raise ValueError(f"--task needs a tokenizer.json in {folder}")
         task = task_from_name(args.task)
-        prompts, grader = prompts_and_grader(task, TokenizerAdapter(tok), task.examples("test", args.n))
+        examples = task.examples("test", args.n)
+        encode_task_prompts(TokenizerAdapter(tok), examples, args.task, args.model)      # named refusal first
+        prompts, grader = prompts_and_grader(task, TokenizerAdapter(tok), examples)
         return [(f"--task {args.task} (test problem {i})", p) for i, p in enumerate(prompts)], grader
     path = args.prompts
     if os.path.isdir(path):
@@ -100,7 +109,13 @@ def run(args) -> int:
         resolve_max_new_tokens(args, task_from_name(args.task))
     resolve_max_new_tokens(args)
     seeds = args.seeds if isinstance(args.seeds, list) else seeds_arg(args.seeds)
-    names = [s.strip() for s in args.schedules.split(",")] if args.schedules else list(DEFAULT_SCHEDULES)
+    if args.schedules is None:
+        names = list(DEFAULT_SCHEDULES)
+    else:
+        names = [s.strip() for s in args.schedules.split(",")]
+        if not any(names):
+            raise ValueError(f"--schedules {args.schedules!r}: names no schedule; give a comma-separated subset of "
+                             f"{','.join(DEFAULT_SCHEDULES)} (or leave --schedules out for all of them)")
     if args.plot and "native" not in names:
         raise ValueError(f"--plot {args.plot}: the plot is relative to Native: add native to --schedules")
     dec = decode_config(args, cfg.family, tokenizer=folder)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from dblock.cli_args import _VALUE_MARK, MAX_SEED, TEMPERATURE_MIN, _show, temperature_flag_arg, token_ids_arg
+from dblock.cli_args import (_VALUE_MARK, MAX_SEED, TEMPERATURE_MIN, _show, check_flag_rules, temperature_flag_arg,
+                             token_ids_arg)
 from dblock.prompts import load_tokenizer
 
 
@@ -88,6 +89,8 @@ def decode_config(args, family: str, tokenizer=None):
             if v is not None and v != neutral:
                 raise ConfigError(f"{flag} {v}: filters the sampler, and without --temperature decoding is greedy "
                                   "(argmax), so it would do nothing: give --temperature T > 0 too")
+    # the flags of one rule, sampler or family given where they would do nothing (dblock.cli_args.DECODE_RULES)
+    check_flag_rules(args, "decode", family=family, rule=rule, sampling=sampling_t)
     min_tokens = getattr(args, "min_tokens", 0) or 0
     if min_tokens > args.max_new_tokens:
         raise ConfigError(f"--min-tokens {min_tokens}: at most --max-new-tokens {args.max_new_tokens}")

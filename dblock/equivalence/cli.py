@@ -18,10 +18,11 @@ import json
 import os
 import sys
 
-from dblock.cli_args import (MAX_PROBLEMS, ValueRefused, add_batch_size_arg, add_decode_args, add_executor_args,
-                             add_model_args, add_special_tokens_arg, float_arg, int_arg, resolve_max_new_tokens)
+from dblock.cli_args import (MAX_PROBLEMS, FlagRule, ValueRefused, add_batch_size_arg, add_decode_args,
+                             add_executor_args, add_flag_rules, add_model_args, add_special_tokens_arg, float_arg,
+                             int_arg, resolve_max_new_tokens)
 from dblock.decoding.flags import check_fits, decode_config, schedule_from_args
-from dblock.model_flags import load_model, model_config
+from dblock.model_flags import _path_model, load_model, model_config
 from dblock.out_paths import check_out_file
 from dblock.prompts import encode_texts, load_tokenizer
 
@@ -87,6 +88,14 @@ def add_parser(subparsers):
     add_batch_size_arg(v)
     v.add_argument("--limit", type=int_arg(0, 1_000_000), default=20,
                    help="text output: list at most this many items per kind")
+    add_flag_rules(p, FlagRule(("--n", "--split"), "with --task (--prompts decodes every prompt of its file)",
+                               lambda a, c: a.task is not None),
+                   FlagRule("--allow-special-tokens", "with --prompts (the text of a task's prompts is never "
+                            "special)", lambda a, c: a.prompts is not None),
+                   FlagRule(("--max-age", "--plot"), "with --staleness-curve", lambda a, c: a.staleness_curve),
+                   FlagRule("--world-sizes", "with --check world-size (or --check all)",
+                            lambda a, c: bool({"world-size", "all"} & set(a.check))),
+                   FlagRule("--limit", "to the text report (--json prints everything)", lambda a, c: not a.json))
 
 
 def read_prompt_items(path: str) -> list:
@@ -169,14 +178,14 @@ def _verify(args) -> int:
     hf = load_tokenizer(folder)
     if args.task is not None:
         from dblock.tasks.cli import task_from_name
-        from dblock.tasks.evaluate import TokenizerAdapter
+        from dblock.tasks.evaluate import TokenizerAdapter, encode_task_prompts
         task = task_from_name(args.task)
         if hf is None:
             raise FileNotFoundError(f"{folder}/tokenizer.json: the model folder has no tokenizer.json (needed to "
                                     "encode task prompts)")
         tok = TokenizerAdapter(hf)
         examples = task.examples(args.split, args.n)
-        prompts = [tok.encode(e.prompt) for e in examples]
+        prompts = encode_task_prompts(tok, examples, args.task, args.model, args.split)
         labels = [f"--task {args.task} ({args.split} problem {i})" for i in range(len(prompts))]
     else:
         items = read_prompt_items(args.prompts)
@@ -188,7 +197,8 @@ def _verify(args) -> int:
     epoch_kw = dict(refresh=args.refresh, atlas_alpha=args.atlas_alpha, atlas_q=args.atlas_q,
                     update_every=args.update_every, use_triton=args.use_triton, atlas_m=args.atlas_m,
                     atlas_B=args.atlas_B, atlas_beta=args.atlas_beta, atlas_c=args.atlas_c, path=args.epoch_path,
-                    margin_refresh=args.margin_refresh, lsp_drift=args.lsp_drift)
+                    margin_refresh=args.margin_refresh, lsp_drift=args.lsp_drift,
+                    path_model=_path_model(args.path_profile))
     if getattr(args, "ep", None) is not None:
         from dblock.optimized.ep import dispatcher_from_cli
         epoch_kw["dispatcher"] = dispatcher_from_cli(model, args.ep, args.ep_dispatch, args.device)

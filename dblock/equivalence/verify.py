@@ -96,7 +96,8 @@ def run_verify(model, prompts: list, dec: DecodeConfig, schedule: str = "native"
 
     rep = {"model": model_name or getattr(model, "source", "") or cfg.family, "family": cfg.family,
            "executor": ex_name, "epoch_config": cfg_name,
-           "epoch_kw": {k: v for k, v in epoch_kw.items() if k != "dispatcher"}, "schedule": spec.name,
+           "epoch_kw": {k: (v.as_dict() if hasattr(v, "as_dict") else v) for k, v in epoch_kw.items()
+                        if k != "dispatcher"}, "schedule": spec.name,
            "decode": {k: getattr(dec, k) for k in ("rule", "threshold", "max_steps", "steps", "block_size",
                                                    "max_new_tokens", "no_cache")},
            "requests": len(prompts), "faults": list(faults), "max_disagreement": max_disagreement}

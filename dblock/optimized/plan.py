@@ -16,6 +16,7 @@ cost of `dblock.simulator.cost` (`PathModel.from_cost`) or from a profile measur
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -64,17 +65,16 @@ class PathModel:
         try:
             m, o = float(d["moe_share"]), float(d["overhead_share"])
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"path model {d!r}: needs numbers moe_share and overhead_share") from None
-        if not (0.0 <= m <= 1.0 and o >= 0.0):
+            raise ValueError(f"path model {str(d)[:60]!r}: needs numbers moe_share and overhead_share") from None
+        if not (0.0 <= m <= 1.0 and 0.0 <= o < math.inf):
             raise ValueError(f"path model moe_share={m}, overhead_share={o}: need 0 <= m <= 1 and o >= 0")
         return cls(m, o, str(d.get("source", "")))
 
     @classmethod
     def load(cls, path: str) -> "PathModel":
         """A measured per-machine profile: a JSON object with `moe_share` and `overhead_share`."""
-        import json
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        from dblock.input_files import read_json
+        return cls.from_dict(read_json(path, "--path-profile"))
 
     @classmethod
     def from_cost(cls, cfg, batch: int, rows_per_request: int, hardware="h100") -> "PathModel":

@@ -50,6 +50,9 @@ class ChatTemplateError(ValueError):
 
 def resolve_template_arg(value: str) -> str:
     """`--chat-template PATH_OR_STRING` -> template text (vLLM's `load_chat_template` rule)."""
+    if os.path.isfile(value):
+        from dblock.input_files import read_text
+        return read_text(value, "--chat-template")      # bounded, UTF-8: errors name the flag and the file
     try:
         with open(value, encoding="utf-8") as f:
             return f.read()
@@ -83,8 +86,8 @@ def find_template(model_dir: Optional[str], tokenizer_config: Optional[dict] = N
     if model_dir:
         path = os.path.join(model_dir, TEMPLATE_FILE)
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return f.read()
+            from dblock.input_files import read_text
+            return read_text(path)
     t = (tokenizer_config if tokenizer_config is not None else read_tokenizer_config(model_dir)).get("chat_template")
     if isinstance(t, list):                                  # [{"name": "default", "template": "..."}, ...]
         named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}

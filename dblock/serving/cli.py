@@ -8,7 +8,8 @@ import json
 import os
 import sys
 
-from dblock.cli_args import add_decode_args, add_executor_args, add_model_args, float_arg, int_arg, port_arg, seed_arg
+from dblock.cli_args import (FlagRule, add_decode_args, add_executor_args, add_flag_rules, add_model_args, float_arg,
+                             int_arg, port_arg, seed_arg)
 from dblock.decoding.flags import check_fits, check_stops, decode_config, positions_needed, schedule_from_args
 from dblock.model_flags import load_model, make_forward, model_config
 from dblock.out_paths import check_out_file
@@ -36,7 +37,7 @@ def add_parser(subparsers) -> None:
                                           "GET /metrics (Prometheus). Binds 127.0.0.1 unless told otherwise.")
     p.set_defaults(_run=_serve)
     add_model_args(p)
-    add_decode_args(p)
+    add_decode_args(p, serving=True)     # requests may sample whatever the defaults: no SAMPLING_RULES
     add_executor_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
@@ -107,6 +108,22 @@ def add_parser(subparsers) -> None:
     lg.add_argument("--plot", default=None, metavar="PNG", help="draw P95 ITL and throughput vs rate per server")
     lg.add_argument("--from", dest="from_", nargs="*", default=None, metavar="JSON",
                     help="plot/print saved loadgen JSON results instead of running")
+    add_flag_rules(p, FlagRule("--allow-unauthenticated", "when binding a --host other machines can reach without an "
+                               "API key (on loopback, or with a key, nothing is left to allow)",
+                               lambda a, c: _exposed(a)))
+    add_flag_rules(lg, FlagRule(("--url", "--rate", "--rates", "--duration", "--replay", "--prompts", "--token-ids",
+                                 "--max-tokens", "--seed", "--model", "--api-key", "--timeout"),
+                                "without --from (--from reports saved results; nothing is sent)",
+                                lambda a, c: a.from_ is None),
+                   FlagRule("--duration", "with --rate or --rates (a replay lasts as long as its arrival times)",
+                            lambda a, c: a.replay is None),
+                   FlagRule("--token-ids", "with task: or file: prompts (ids: prompts are token ids already)",
+                            lambda a, c: not str(a.prompts).startswith("ids:")))
+
+
+def _exposed(args) -> bool:
+    from dblock.serving.server import is_loopback
+    return not is_loopback(args.host) and not (args.api_key or os.environ.get(API_KEY_ENV))
 
 
 # ---- serve ---------------------------------------------------------------------------------------------------
@@ -208,11 +225,12 @@ def _loadgen(args) -> int:
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path:
             check_out_file(path, flag)         # before any load is sent
-    if args.from_:
+    if args.from_ is not None:
+        if not args.from_:
+            raise ValueError("--from: give one or more saved loadgen results (JSON files)")
         servers = []
         for path in args.from_:
-            with open(path) as f:
-                servers += json.load(f)["servers"]
+            servers += _saved_results(path)["servers"]
         return _report(args, dict(servers=servers))
     if not args.url:
         raise ValueError("loadgen: give --url http://HOST:PORT (repeat for several servers), or --from results.json")
@@ -231,7 +249,7 @@ def _loadgen(args) -> int:
         runs = []
         for k, rate in enumerate(rates):
             if rate is None:
-                arrivals = lg.read_arrivals(args.replay)
+                arrivals = lg.read_arrivals(args.replay, "--replay")
                 duration = max(arrivals) if arrivals else 0.0
             else:
                 arrivals = lg.poisson_arrivals(rate, args.duration, args.seed + 1000 * k)
@@ -245,6 +263,49 @@ def _loadgen(args) -> int:
         servers.append(dict(label=label, url=url, runs=runs))
     return _report(args, dict(machine=lg.machine(), max_tokens=args.max_tokens, prompts=args.prompts,
                               duration=args.duration, seed=args.seed, servers=servers))
+
+
+def _saved_results(path: str) -> dict:
+    """A saved `dblock loadgen --json` / `--out` file, read as untrusted input: the keys the table and the plot read,
+    typed and finite (an InputFileError naming --from and the file otherwise)."""
+    from typing import Annotated, Optional
+
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+    from dblock.errors import InputFileError
+    from dblock.input_files import read_json, validation_message, where
+    Num = Optional[Annotated[float, Field(strict=True, allow_inf_nan=False)]]
+    Count = Annotated[int, Field(strict=True, ge=0)]
+
+    class Run(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        rate: Num = None
+        offered_rate: Num = None
+        sent: Count
+        ok: Count
+        rejected: Count
+        errors: Count
+        throughput_tok_s: Annotated[float, Field(strict=True, allow_inf_nan=False)]
+        ttft: dict[str, Num]
+        itl: dict[str, Num]
+
+    class Server(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        label: str
+        runs: list[Run]
+
+    class Results(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        servers: list[Server]
+
+    d = read_json(path, "--from")
+    try:
+        Results.model_validate(d)
+    except ValidationError as e:
+        raise InputFileError(f"{where(path, '--from')}: not loadgen results: {validation_message(e)}") from None
+    if any(r.get("rate") is None and r.get("offered_rate") is None for srv in d["servers"] for r in srv["runs"]):
+        raise InputFileError(f"{where(path, '--from')}: a run without rate or offered_rate")
+    return d
 
 
 def _report(args, data: dict) -> int:

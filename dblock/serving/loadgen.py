@@ -49,39 +49,64 @@ def poisson_arrivals(rate: float, duration: float, seed: int = 0) -> list[float]
         out.append(t)
 
 
-def read_arrivals(path: str) -> list[float]:
+#: arrival times one file may hold, and the span they may cover (seconds)
+MAX_ARRIVALS = 10_000_000
+MAX_SPAN_S = 1e9
+
+
+def read_arrivals(path: str, flag: str = "--replay") -> list[float]:
     """Arrival times (s, from 0) from a file: one number per line, a JSON list, a loadgen `--json` output (the
-    arrivals of its first run), or a JSON-lines engine trace (request events' `arrival_s`)."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise ValueError(f"--replay {path}: {e.strerror}") from None
+    arrivals of its first run), or a JSON-lines engine trace (request events' `arrival_s`). Read as untrusted input
+    (`dblock.input_files`): finite times >= 0, at most MAX_ARRIVALS of them within MAX_SPAN_S; every problem is one
+    error naming `flag` and the file."""
+    import math
+
+    from dblock.errors import InputFileError
+    from dblock.input_files import MAX_TRACE_BYTES, read_text, where
+    from dblock.trace import check_event
+    w = where(path, flag)
+    text = read_text(path, flag, MAX_TRACE_BYTES)
     vals = None
     try:
         obj = json.loads(text)
-        if isinstance(obj, list):
-            vals = obj
-        elif isinstance(obj, dict) and obj.get("servers"):
+    except (ValueError, RecursionError):
+        obj = None
+    if isinstance(obj, list):
+        vals = obj
+    elif isinstance(obj, dict) and obj.get("servers"):
+        try:
             vals = obj["servers"][0]["runs"][0]["arrivals"]
-    except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-        pass
+        except (KeyError, IndexError, TypeError):
+            raise InputFileError(f"{w}: a loadgen results file without servers[0].runs[0].arrivals") from None
+    elif obj is not None and not isinstance(obj, (int, float)):
+        raise InputFileError(f"{w}: JSON that holds no arrival times (a list of seconds, loadgen results or an "
+                             "engine trace)")
     if vals is None and text.lstrip().startswith("{"):
         vals = []
-        for line in text.splitlines():
+        for i, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if line:
-                ev = json.loads(line)
-                if ev.get("event") == "request" and "arrival_s" in ev:
+                try:
+                    ev = json.loads(line)
+                except (ValueError, RecursionError):
+                    raise InputFileError(f"{w}:{i}: not JSON (an engine trace has one event per line)") from None
+                ev = check_event(ev, f"{w}:{i}")
+                if ev.get("event") == "request" and ev.get("arrival_s") is not None:
                     vals.append(ev["arrival_s"])
     if vals is None:
         vals = [line.split()[0] for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    if not isinstance(vals, list) or len(vals) > MAX_ARRIVALS:
+        raise InputFileError(f"{w}: expected at most {MAX_ARRIVALS:,} arrival times in seconds")
     try:
-        a = sorted(float(v) for v in vals)
+        a = sorted(float(v) for v in vals if not isinstance(v, bool))
     except (TypeError, ValueError):
-        raise ValueError(f"--replay {path}: expected arrival times in seconds") from None
+        raise InputFileError(f"{w}: expected arrival times in seconds") from None
+    if len(a) != len(vals):
+        raise InputFileError(f"{w}: expected arrival times in seconds (found true/false)")
     if not a:
-        raise ValueError(f"--replay {path}: no arrival times")
+        raise InputFileError(f"{w}: no arrival times")
+    if not all(math.isfinite(t) for t in a) or a[-1] - a[0] > MAX_SPAN_S:
+        raise InputFileError(f"{w}: arrival times must be finite and span at most {MAX_SPAN_S:g} s")
     return [t - a[0] for t in a]
 
 
@@ -97,15 +122,16 @@ def load_prompts(spec: str, n: int, seed: int = 0, token_ids: bool = False) -> l
         exs = get_task(arg or BUNDLED_TASK).examples("test", min(n, 500))
         base = [e.prompt for e in exs]
     elif kind == "file":
-        try:
-            with open(arg) as f:
-                lines = [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
-            raise ValueError(f"--prompts {spec}: {e.strerror}") from None
+        from dblock.errors import InputFileError
+        from dblock.input_files import parse_json, read_text
+        lines = [line for line in read_text(arg, "--prompts").splitlines() if line.strip()]
         base = []
-        for line in lines:
+        for i, line in enumerate(lines, 1):
             if line.lstrip().startswith("{"):
-                base.append(json.loads(line)["prompt"])
+                d = parse_json(line, f"--prompts {arg}:{i}")
+                if not isinstance(d, dict) or not isinstance(d.get("prompt"), str):
+                    raise InputFileError(f"--prompts {arg}:{i}: a JSON line needs a string 'prompt'")
+                base.append(d["prompt"])
             else:
                 base.append(line)
     elif kind == "ids":

@@ -55,8 +55,10 @@ class Run:
     requests: list[dict]
 
     @staticmethod
-    def load(path_or_events: str | Iterable[dict], path: str = "<events>") -> "Run":
-        evs = list(read_trace(path_or_events)) if isinstance(path_or_events, str) else list(path_or_events)
+    def load(path_or_events: str | Iterable[dict], path: str = "<events>", flag: str | None = None) -> "Run":
+        """A trace file (every event checked: `dblock.trace.read_trace`, errors naming `flag` and the file) or a
+        list of events already in memory."""
+        evs = list(read_trace(path_or_events, flag)) if isinstance(path_or_events, str) else list(path_or_events)
         if isinstance(path_or_events, str):
             path = path_or_events
         header = next((e for e in evs if e["event"] == "run"), {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dblock.cli_args import float_arg, int_arg
+from dblock.cli_args import FlagRule, add_flag_rules, float_arg, int_arg
 from dblock.out_paths import check_out_file
 from dblock.simulator.cli_common import _dist, _emit, show_progress
 
@@ -47,6 +47,15 @@ def add_parsers(sub, common) -> None:
                    help="predict FlowBlock(2) and Keep Tokens α from the paper's OBA α with the position model")
     a.add_argument("--responses", type=int_arg(1, 100_000), default=300,
                    help="simulated responses for --paper (default 300)")
+    add_flag_rules(o, FlagRule(("--nbar", "--alpha", "--r", "--k-max", "--simulate", "--tokens", "--block", "--seed"),
+                               "without --paper (--paper checks the paper's own rows)", lambda a, c: not a.paper),
+                   FlagRule(("--tokens", "--block", "--seed"), "with --simulate R > 0 (the closed forms draw nothing)",
+                            lambda a, c: a.simulate > 0))
+    add_flag_rules(a, FlagRule(("--F", "--K", "--Y", "--R", "--nbar", "--block"), "without --paper (--paper predicts "
+                               "from the paper's OBA α, not from counters)", lambda a, c: not a.paper),
+                   FlagRule(("--responses", "--seed"), "with --paper (fitting α from counters draws nothing)",
+                            lambda a, c: a.paper),
+                   FlagRule(("--Y", "--block"), "without --K (they estimate K by Eq. 4)", lambda a, c: a.K is None))
 
 
 def _oba(args) -> int:

@@ -3,9 +3,10 @@ as a ranked table (or `--json` `{"plans": [...]}`), with bands from the unmeasur
 from __future__ import annotations
 
 import math
+import os
 import sys
 
-from dblock.cli_args import float_arg, int_arg
+from dblock.cli_args import FlagRule, add_flag_rules, float_arg, given, int_arg
 from dblock.out_paths import check_out_file
 from dblock.simulator.cli_common import _dist, _emit, _ints, show_progress
 
@@ -74,6 +75,22 @@ def add_parsers(sub, common) -> None:
     p.add_argument("--rate-margin", type=float_arg(0.0, 10.0), default=0.0,
                    help="with --operator-profile: plan at the highest rate holding the SLOs divided by (1 + this), "
                         "a reserve below the SLO edge for what the profile does not price (default 0)")
+    add_flag_rules(p, *PLAN_RULES)
+
+
+#: `simulate plan` has two modes: GPUs priced by the roofline (the default) and one replica on the machine an
+#: operator profile measured (--operator-profile); a flag of one mode given in the other would do nothing
+PLAN_RULES = (
+    FlagRule(("--scale", "--rate-margin"), "with --operator-profile (to the plan of the profiled machine)",
+             lambda a, c: a.operator_profile is not None),
+    FlagRule(("--model", "--hardware", "--price", "--rate", "--trace", "--prompt", "--tokens", "--passes",
+              "--calibration", "--gpus-per-replica", "--max-gpus", "--plot"),
+             "without --operator-profile (a profiled plan is one replica on the profiled machine, its model and "
+             "workload those of the --liveness-from trace, its rate the highest that holds the SLOs)",
+             lambda a, c: a.operator_profile is None),
+    FlagRule("--passes", "without --liveness-from (the trace's blocks give the passes)",
+             lambda a, c: a.liveness_from is None),
+)
 
 
 def _prices(items: list, kinds: list) -> dict:
@@ -102,24 +119,20 @@ def _prices(items: list, kinds: list) -> dict:
 
 def _trace_workload(path: str):
     """(arrivals, prompt dist, tokens dist) of a request trace; the dists are None without request lengths."""
-    import json
     from dblock.serving.loadgen import read_arrivals
-    try:
-        arr = read_arrivals(path)
-    except ValueError as e:
-        raise ValueError(str(e).replace("--replay", "--trace")) from None
+    from dblock.trace import read_trace
+    arr = read_arrivals(path, "--trace")
     prompts, ys = [], []
-    try:
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line.startswith("{") and '"request"' in line:
-                    ev = json.loads(line)
-                    if ev.get("event") == "request" and "prompt_len" in ev and "Y" in ev:
-                        prompts.append(int(ev["prompt_len"]))
-                        ys.append(int(ev["Y"]))
-    except (OSError, ValueError):
-        pass
+    with open(path, "rb") as f:
+        engine_trace = f.read(1) == b"{"
+    if engine_trace:
+        try:
+            for ev in read_trace(path, "--trace"):
+                if ev.get("event") == "request" and ev.get("prompt_len") is not None and "Y" in ev:
+                    prompts.append(int(ev["prompt_len"]))
+                    ys.append(int(ev["Y"]))
+        except ValueError:           # loadgen results (one JSON document, not events): arrivals only
+            prompts, ys = [], []
     if len(arr) < 2 or max(arr) <= 0:
         raise ValueError(f"--trace {path}: needs two or more distinct arrival times")
     emp = (lambda v: "empirical:" + ",".join(str(x) for x in v)) if prompts else (lambda v: None)
@@ -140,12 +153,19 @@ def _inputs(args):
         hws[k] = hardware.get(k)
     prices = _prices(args.price, kinds)
     cfg = cost.get_model(args.model)
+    if args.rate is not None and args.trace is not None:
+        raise ValueError(f"--rate {args.rate:g} with --trace {args.trace}: the trace's arrivals set the rate; give "
+                         "one of them")
     if args.rate is None and args.trace is None:
         raise ValueError("--rate or --trace: one is required (the load to plan for)")
     prompt, tokens, arrivals, rate = args.prompt, args.tokens, None, args.rate
     if args.trace:
         arrivals, p2, t2 = _trace_workload(args.trace)
         rate = (len(arrivals) - 1) / (max(arrivals) - min(arrivals))
+        for flag, dist in (("--prompt", p2), ("--tokens", t2)):
+            if dist and given(args, flag[2:]):
+                raise ValueError(f"{flag}: the --trace {args.trace} gives every request's length, so here it would "
+                                 "do nothing (refused, not ignored)")
         prompt, tokens = p2 or prompt, t2 or tokens
     _dist(prompt, "--prompt", 1e6)
     _dist(tokens, "--tokens", 1e6)
@@ -155,6 +175,8 @@ def _inputs(args):
         if profile.C != cfg.block_size:
             raise ValueError(f"--liveness-from {args.liveness_from}: blocks of {profile.C} tokens; {args.model} "
                              f"decodes blocks of {cfg.block_size}")
+        _warn_family(f"--liveness-from {args.liveness_from}", getattr(profile, "family", None), args.model,
+                     cfg.family)
     else:
         from dblock.simulator.papers import default_passes
         passes = args.passes or default_passes(args.model)
@@ -176,6 +198,14 @@ def _inputs(args):
                        uniform_state=args.model in cost.UNIFORM_STATE, cal=cal, gpus=gpus,
                        caps=caps, executors=execs, max_gpus=args.max_gpus,
                        top=args.top, requests=args.requests, arrivals=arrivals, seed=args.seed)
+
+
+def _warn_family(what: str, family, model: str, model_family) -> None:
+    """One warning line when a trace of one model family prices another (its passes and liveness are a property of
+    the family's decoding: a masked model's blocks are not a uniform-state model's)."""
+    if family and model_family and family != model_family:
+        print(f"warning: {what} is a {family} trace, applied to {model} ({model_family}): its passes and liveness "
+              f"are {family}'s, not {model_family}'s", file=sys.stderr)
 
 
 def _rng(lo_hi, fmt) -> str:
@@ -251,8 +281,9 @@ def _plan_profiled(args) -> int:
                          "(`dblock generate --trace`): its requests are the workload")
     if args.slo_itl is None and args.slo_ttft is None:
         raise ValueError("--slo-itl or --slo-ttft: with --operator-profile the plan is the highest rate holding one")
-    prof = Profile.load(args.operator_profile)
-    run = Run.load(args.liveness_from)
+    prof = Profile.load(args.operator_profile, "--operator-profile")
+    run = Run.load(args.liveness_from, flag="--liveness-from")
+    _check_profile_fits_trace(prof, run, args)
     by: dict = {}
     for b in run.blocks:
         by.setdefault(str(b["request"]), []).append(b)
@@ -282,6 +313,26 @@ def _plan_profiled(args) -> int:
         lines.append("no executor and cap holds the SLOs at any rate on this machine")
     _emit(args, out, "\n".join(lines))
     return 0 if out["plans"] else 1
+
+
+def _check_profile_fits_trace(prof, run, args) -> None:
+    """The operator profile prices the trace's own model: another family is refused (its calls have another
+    structure: DiffusionGemma's encoder and canvases are not a masked model's blocks), another model of the family
+    gets one warning line naming both; a schedule other than Native is refused (the workload is Native blocks)."""
+    pm = prof.model
+    fam, name = run.header.get("family"), run.header.get("model")
+    if fam and pm.get("family") not in (None, "?") and fam != pm["family"]:
+        raise ValueError(f"--operator-profile {args.operator_profile} measured {pm.get('name') or 'a model'} "
+                         f"({pm['family']}); --liveness-from {args.liveness_from} is a trace of {name or 'a model'} "
+                         f"({fam}): a profile prices the calls of its own family only")
+    if name and pm.get("name") and os.path.basename(os.path.normpath(str(name))) != \
+            os.path.basename(os.path.normpath(str(pm["name"]))):
+        print(f"warning: --operator-profile {args.operator_profile} measured {pm['name']}; --liveness-from "
+              f"{args.liveness_from} is a trace of {name}: the plan prices {name}'s requests with {pm['name']}'s "
+              "operators", file=sys.stderr)
+    if run.schedule not in ("native",):
+        raise ValueError(f"--liveness-from {args.liveness_from}: a {run.schedule} trace; the workload is read from "
+                         "a Native run")
 
 
 def _plan(args) -> int:

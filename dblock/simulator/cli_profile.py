@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dblock.cli_args import float_arg, int_arg
+from dblock.cli_args import FlagRule, add_flag_rules, float_arg, int_arg
 from dblock.out_paths import check_out_file
 from dblock.simulator.cli_common import _dist, _emit, show_progress
 
@@ -108,6 +108,30 @@ def add_parsers(sub, common) -> None:
                     help="with --published: the fit to predict with (default: the stored one, "
                          "dblock/simulator/data/gpu_fit.json; write another with `calibrate --published --out`)")
 
+    add_flag_rules(ca, FlagRule("--out", "with --cpu (where it writes the CPU profile) or --published (where it "
+                                "writes the fit)", lambda a, c: a.cpu or a.published is not None),
+                   FlagRule(("--hold-out", "--hardware", "--model", "--delta-from", "--gamma"),
+                            "to calibrating on traces, not with --cpu or --published",
+                            lambda a, c: not a.cpu and a.published is None),
+                   FlagRule("--seed", "to the simulations that draw random numbers; calibrate fits and measures",
+                            lambda a, c: False))
+    add_flag_rules(pr, FlagRule("--seed", "to the simulations that draw random numbers; profile times operators",
+                                lambda a, c: False))
+    add_flag_rules(pd, FlagRule(("--prompt", "--tokens", "--passes", "--requests"), "without --native-trace (its "
+                                "requests are replayed as they were)", lambda a, c: a.native_trace is None),
+                   FlagRule("--batch-cap", "with --rate (the serving batch cap; closed batches take --batch-size)",
+                            lambda a, c: a.rate is not None),
+                   FlagRule("--batch-size", "without --rate (closed batches; serving takes --batch-cap)",
+                            lambda a, c: a.rate is None),
+                   FlagRule("--seed", "to what draws random numbers: a sampled workload (no --native-trace) or "
+                            "Poisson arrivals (--rate)", lambda a, c: a.native_trace is None or a.rate is not None))
+    add_flag_rules(va, FlagRule(("--model", "--profile", "--n", "--repeats", "--no-epoch"),
+                                "without --alpha-only (they set the timing rows)", lambda a, c: not a.alpha_only),
+                   FlagRule(("--alpha-model", "--alpha-n"), "without --no-alpha (they set the α rows)",
+                            lambda a, c: not a.no_alpha),
+                   FlagRule("--fit", "with --published (the fit its points are predicted with)",
+                            lambda a, c: a.published is not None))
+
 
 def _refuse_with_published(args, defaults: dict) -> None:
     """--published works on published points, not on this machine: a flag of the machine's runs is refused."""
@@ -140,11 +164,11 @@ def _calibrate(args) -> int:
         return 0
     if not args.traces:
         raise ValueError("calibrate: give trace files to calibrate on, or --cpu to measure this machine")
-    runs = [calibrate.Run.load(p) for p in args.traces]
+    runs = [calibrate.Run.load(p, flag="trace") for p in args.traces]
     hw = hardware.get(args.hardware) if args.hardware else None
     cfg = cost.get_model(args.model) if args.model else None
     cal = calibrate.calibrate(runs, hw=hw, cfg=cfg, delta_from=args.delta_from, gamma=args.gamma)
-    preds = [calibrate.predict_run(cal, calibrate.Run.load(p)) for p in args.hold_out]
+    preds = [calibrate.predict_run(cal, calibrate.Run.load(p, flag="--hold-out")) for p in args.hold_out]
     lines = [f"n̄ = {cal.nbar:.3f} (Native), T_den = {1e3 * cal.native_t_den:.3f} ms"]
     if cal.liveness is not None:
         lines.append(f"liveness: live {cal.liveness.live:.3f}, fresh {cal.liveness.fresh:.3f} of rows per pass")
@@ -209,11 +233,11 @@ def _predict(args) -> int:
     path = args.profile or _profile_path(args.model)
     if not os.path.isfile(path):
         raise ValueError(f"profile {path}: no such file (write one with `dblock simulate profile --model ...`)")
-    prof = Profile.load(path)
+    prof = Profile.load(path, "--profile" if args.profile else None)
     C = int(prof.model.get("block_size") or 16)
     if args.native_trace:
         from dblock.simulator.calibrate import Run
-        run = Run.load(args.native_trace)
+        run = Run.load(args.native_trace, flag="--native-trace")
         by_req: dict = {}
         for b in run.blocks:
             by_req.setdefault(str(b["request"]), []).append(b)
@@ -274,7 +298,8 @@ def _validate(args) -> int:
     if args.profile and not os.path.isfile(args.profile):
         raise ValueError(f"--profile {args.profile}: no such file (write one with `dblock simulate profile`)")
     plan = validate.Plan(model=args.model, n=args.n, repeats=args.repeats, epoch=not args.no_epoch,
-                         alpha_model=None if args.no_alpha else args.alpha_model, alpha_n=args.alpha_n)
+                         alpha_model=None if args.no_alpha else args.alpha_model, alpha_n=args.alpha_n,
+                         seed=args.seed)
     if plan.alpha_model:                  # refused before any measurement: its runs come last
         from dblock.config import load_config
         from dblock.weights_path import resolve_model_path
@@ -298,7 +323,7 @@ def _validate(args) -> int:
                                    f"the other ({plan.alpha_n} held-out problems per run)\n" + rep.table())
         return 0
     if os.path.isfile(path):
-        prof = Profile.load(path)
+        prof = Profile.load(path, "--profile" if args.profile else None)
         from dblock.simulator.fingerprint import code_fingerprint
         if prof.meta.get("code") != code_fingerprint():
             print(f"warning: the profile {path} was measured on other executor code than this checkout's: its "

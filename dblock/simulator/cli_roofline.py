@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-from dblock.cli_args import float_arg, int_arg
+from dblock.cli_args import FlagRule, add_flag_rules, float_arg, int_arg
 from dblock.out_paths import check_out_file
 from dblock.simulator.cli_common import _dist, _emit, _floats, _ints, _positive_floats, show_progress
 
@@ -52,6 +52,13 @@ def add_parsers(sub, common) -> None:
     se.add_argument("--caps", default="32,64,128,256,512", help="batch caps to try (comma-separated)")
     se.add_argument("--rate-max", type=float_arg(0.0, 1e6, lo_open=True), default=64.0,
                     help="upper end of the rate bisection (req/s)")
+    add_flag_rules(ps, FlagRule("--seed", "to the simulations that draw random numbers; simulate pass is closed-form",
+                                lambda a, c: False))
+    passes = FlagRule("--passes", "without --liveness-from (the trace's blocks give the passes)",
+                      lambda a, c: a.liveness_from is None)
+    add_flag_rules(sv, passes, FlagRule("--rates", "without --arrivals (the arrival times set the load)",
+                                        lambda a, c: a.arrivals is None))
+    add_flag_rules(se, passes)
 
 
 def _serve_args(sp):
@@ -210,23 +217,25 @@ def _serve_config(args, path: str):
 
 
 def _read_arrivals(path: str) -> list[float]:
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise ValueError(f"--arrivals {path}: {e.strerror}") from None
+    from dblock.input_files import MAX_TRACE_BYTES, read_text
+    from dblock.serving.loadgen import MAX_ARRIVALS
+    text = read_text(path, "--arrivals", MAX_TRACE_BYTES)
     try:
         vals = json.loads(text)
         if not isinstance(vals, list):
             raise ValueError
-    except ValueError:
+    except (ValueError, RecursionError):
         vals = [line.split()[0] for line in text.splitlines() if line.strip()]
+    if len(vals) > MAX_ARRIVALS:
+        raise ValueError(f"--arrivals {path}: more than {MAX_ARRIVALS:,} arrival times")
     try:
+        if any(isinstance(v, bool) for v in vals):
+            raise TypeError
         out = [float(v) for v in vals]
     except (TypeError, ValueError):
         raise ValueError(f"--arrivals {path}: expected arrival times in seconds") from None
-    if not out or not all(math.isfinite(v) and v >= 0 for v in out):
-        raise ValueError(f"--arrivals {path}: expected one or more finite arrival times >= 0 (seconds)")
+    if not out or not all(math.isfinite(v) and 0 <= v <= 1e9 for v in out):
+        raise ValueError(f"--arrivals {path}: expected one or more finite arrival times in [0, 1e9] (seconds)")
     return out
 
 

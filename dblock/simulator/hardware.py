@@ -12,6 +12,7 @@ preliminary vs final specs) and should be checked against the datasheet before r
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -173,13 +174,33 @@ def get(name: str) -> Hardware:
 
 
 def load(path: str) -> Hardware:
-    with open(path) as f:
-        d = json.load(f)
+    """A hardware profile JSON (`simulate calibrate --cpu` writes one), read as untrusted input: the fields of
+    `Hardware` and `Efficiency`, rates and capacities finite and > 0 (NVLink >= 0, FP8/FP4 null or > 0)."""
+    from dblock.errors import InputFileError
+    from dblock.input_files import read_json
+    d = read_json(path, "--hardware")
+    if not isinstance(d, dict) or not isinstance(d.get("eff"), dict):
+        raise InputFileError(f"--hardware {path}: not a hardware profile (a JSON object with 'eff')")
+    d = dict(d)
     try:
         eff = Efficiency(**d.pop("eff"))
-        return Hardware(eff=eff, **d)
+        hw = Hardware(eff=eff, **d)
     except TypeError as e:
-        raise ValueError(f"{path}: not a hardware profile ({e})") from None
+        raise InputFileError(f"--hardware {path}: not a hardware profile ({e})") from None
+    checks = [(k, getattr(hw, k), k in ("fp8_flops", "fp4_flops"), k == "nvlink_bw")
+              for k in ("bf16_flops", "fp8_flops", "fp4_flops", "hbm_bw", "hbm_bytes", "nvlink_bw")]
+    checks += [(f"eff.{k}", getattr(eff, k), False, k not in ("gemm", "stream")) for k in vars(eff)]
+    for key, v, nullable, zero_ok in checks:
+        if v is None and nullable:
+            continue
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and \
+            (v >= 0 if zero_ok else v > 0) and v < 1e30
+        if not ok:
+            raise InputFileError(f"--hardware {path}: {key} = {str(v)[:40]!r}: expected a finite number "
+                                 f"{'>= 0' if zero_ok else '> 0'}")
+    if not isinstance(hw.name, str):
+        raise InputFileError(f"--hardware {path}: name must be a string")
+    return hw
 
 
 def save(hw: Hardware, path: str) -> None:

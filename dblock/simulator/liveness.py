@@ -97,28 +97,32 @@ _CONVERT_COMMAND = ("dblock compare-schedules --model code-masked --task code --
                     "dblock/simulator/data/liveness_code_masked.json")
 
 
-def _block_events(path: str) -> tuple[list[dict], dict]:
-    """Block events and a header from a JSON-lines trace, a trace directory (its native.jsonl) or a bundled JSON."""
-    from dblock.trace import events, read_trace
+def _block_events(path: str, flag: str = "--liveness-from") -> tuple[list[dict], dict]:
+    """Block events and a header from a JSON-lines trace, a trace directory (its native.jsonl) or a bundled JSON;
+    every event checked against the trace schema (`dblock.trace.check_event`), errors naming `flag` and the file."""
+    from dblock.input_files import read_json, where
+    from dblock.trace import check_event, events, read_trace
     if os.path.isdir(path):
         cand = os.path.join(path, "native.jsonl")
         if not os.path.isfile(cand):
-            raise ValueError(f"--liveness-from {path}: a trace directory without native.jsonl (write one with "
+            raise ValueError(f"{flag} {path}: a trace directory without native.jsonl (write one with "
                              "`dblock compare-schedules --schedules native --trace-dir DIR`)")
         path = cand
     if not os.path.isfile(path):
-        raise ValueError(f"--liveness-from {path}: no such file (allowed: a `dblock generate --trace` file, a "
+        raise ValueError(f"{flag} {path}: no such file (allowed: a `dblock generate --trace` file, a "
                          f"`compare-schedules --trace-dir` directory, or {', '.join(BUNDLED)})")
     if path.endswith(".json"):
-        try:
-            with open(path) as f:
-                d = json.load(f)
-            return list(d["blocks"]), {k: v for k, v in d.items() if k != "blocks"}
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(f"--liveness-from {path}: not a liveness file (a JSON object with 'blocks')") from None
-    ev = list(read_trace(path))
+        d = read_json(path, flag)
+        if not isinstance(d, dict) or not isinstance(d.get("blocks"), list):
+            raise ValueError(f"{where(path, flag)}: not a liveness file (a JSON object with a list 'blocks')")
+        blocks = [check_event({**b, "event": "block"} if isinstance(b, dict) else b, f"{where(path, flag)}: block {i}")
+                  for i, b in enumerate(d["blocks"])]
+        head = check_event({**{k: v for k, v in d.items() if k != "blocks"}, "event": "run"}, where(path, flag))
+        return blocks, {k: v for k, v in head.items() if k != "event"}
+    ev = list(read_trace(path, flag))
     run = next((e for e in ev if e.get("event") == "run"), {})
-    return events(ev, "block"), dict(model=run.get("model"), schedule=run.get("schedule"), decode=run.get("decode"))
+    return events(ev, "block"), dict(model=run.get("model"), schedule=run.get("schedule"), decode=run.get("decode"),
+                                     family=run.get("family"))
 
 
 def trace_profile(path_or_name: str):
@@ -137,6 +141,7 @@ def trace_profile(path_or_name: str):
         raise ValueError(f"--liveness-from {path_or_name}: no block event carries accept_pass (trace a Native "
                          "decode with `dblock generate --trace` or `compare-schedules --trace-dir`)") from None
     prof.source = str(path_or_name)
+    prof.family, prof.model = head.get("family"), head.get("model")
     return prof
 
 

@@ -190,13 +190,15 @@ class Profile:
 
     meta: dict
     tables: dict
+    source: str = field(default="", compare=False)     # where it was read from (for messages)
 
     def __getitem__(self, name: str) -> OpTable:
         try:
             return self.tables[name]
         except KeyError:
-            raise ValueError(f"profile: no {name!r} table (has {', '.join(sorted(self.tables))}); re-run "
-                             "`dblock simulate profile` for this executor") from None
+            raise ValueError(f"profile {getattr(self, 'source', '')}: no {name!r} table (has "
+                             f"{', '.join(sorted(self.tables))}); re-run `dblock simulate profile` for this executor") \
+                from None
 
     def has(self, name: str) -> bool:
         return name in self.tables
@@ -211,16 +213,23 @@ class Profile:
 
     @staticmethod
     def from_dict(d: dict, where: str = "<profile>") -> "Profile":
+        """A profile from its JSON, validated like a config (`check_profile_dict`); errors name `where`."""
+        from dblock.errors import InputFileError
         if not isinstance(d, dict) or "tables" not in d or "meta" not in d:
-            raise ValueError(f"{where}: not a dblock operator profile (no meta/tables)")
+            raise InputFileError(f"{where}: not a dblock operator profile (no meta/tables)")
         if d.get("version") != PROFILE_VERSION:
-            raise ValueError(f"{where}: profile version {d.get('version')!r}, this dblock reads {PROFILE_VERSION}; "
-                             "re-run `dblock simulate profile`")
+            raise InputFileError(f"{where}: profile version {str(d.get('version'))[:20]!r}, this dblock reads "
+                                 f"{PROFILE_VERSION}; re-run `dblock simulate profile`")
+        check_profile_dict(d, where)
         try:
             tables = {k: OpTable.from_dict(t) for k, t in d["tables"].items()}
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where}: bad profile table ({e})") from None
-        return Profile(dict(d["meta"]), tables)
+            raise InputFileError(f"{where}: bad profile table ({e})") from None
+        for name, t in tables.items():
+            check_table_values(t, where)
+        prof = Profile(dict(d["meta"]), tables)
+        prof.source = where
+        return prof
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -230,15 +239,126 @@ class Profile:
         os.replace(tmp, path)
 
     @staticmethod
-    def load(path: str) -> "Profile":
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except OSError as e:
-            raise ValueError(f"profile {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"profile {path}: not JSON ({e.msg}, line {e.lineno})") from None
-        return Profile.from_dict(d, path)
+    def load(path: str, flag: str | None = None) -> "Profile":
+        """The profile in `path` (a JSON file written by `simulate profile`), read as untrusted input
+        (`dblock.input_files`); every problem is one InputFileError naming `flag` and the file."""
+        from dblock.input_files import read_json, where
+        return Profile.from_dict(read_json(path, flag), where(path, flag))
+
+
+#: tables that are a whole call (or iteration) measured minus its operators: a value may be <= 0 (noise, or nothing
+#: left over; priced as 0), though not < 0 everywhere. Every other table is an operator timed on its own: > 0
+#: everywhere.
+RESIDUAL_TABLES = ("call_denoise", "call_append", "epoch_call_denoise", "driver", "admit")
+#: grid points one table may have (checked before its values are read into arrays), seconds one value may be
+MAX_TABLE_POINTS = 1 << 20
+MAX_SECONDS = 3600.0
+
+
+def check_profile_dict(d: dict, where: str) -> None:
+    """The structure of a profile's JSON (types, finite numbers, sizes) checked before anything is built from it:
+    meta.model's sizes are integers in range, each table has names, axes, a strictly ascending finite grid of at most
+    `MAX_TABLE_POINTS` points and as many median/lo/hi values. An InputFileError naming `where` and the key."""
+    from typing import Annotated, Any, Optional
+
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+    from dblock.errors import InputFileError
+    from dblock.input_files import validation_message
+
+    def Int(lo, hi):
+        return Annotated[int, Field(strict=True, ge=lo, le=hi)]
+    Num = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+
+    class Model(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        name: Optional[str] = None
+        family: str = "?"
+        num_hidden_layers: Int(1, 1 << 16)
+        n_moe_layers: Int(0, 1 << 16)
+        num_experts: Int(0, 1 << 20)
+        num_experts_per_tok: Int(0, 1 << 20)
+        block_size: Int(0, 1 << 16) = 0
+
+    class Meta(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        model: Optional[Model] = None            # what pricing needs (`ProfiledCost` names it when absent)
+
+    class Table(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str
+        axes: Annotated[list[str], Field(min_length=1, max_length=8)]
+        grid: Annotated[list[Annotated[list[Num], Field(min_length=1, max_length=1 << 16)]],
+                        Field(min_length=1, max_length=8)]
+        median: Any
+        lo: Any
+        hi: Any
+        monotone: list[Annotated[bool, Field(strict=True)]]
+        per: str = "call"
+        repeats: Int(0, 1 << 20) = 0
+        note: str = ""
+
+    class Doc(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        version: int
+        meta: Meta
+        tables: Annotated[dict[str, Table], Field(min_length=1, max_length=256)]
+
+    try:
+        doc = Doc.model_validate(d)
+    except ValidationError as e:
+        raise InputFileError(f"{where}: {validation_message(e)}") from None
+    for name, t in doc.tables.items():
+        points = math.prod(len(g) for g in t.grid)
+        if points > MAX_TABLE_POINTS:
+            raise InputFileError(f"{where}: table {name}: {points:,} grid points, beyond {MAX_TABLE_POINTS:,}")
+        if len(t.axes) != len(t.grid) or len(t.monotone) != len(t.grid):
+            raise InputFileError(f"{where}: table {name}: axes, grid and monotone differ in length")
+        for q in QUANTILES:
+            n = _count_numbers(getattr(t, q), points, len(t.grid))
+            if n != points:
+                raise InputFileError(f"{where}: table {name}: {q} has {n} values for {points} grid points")
+    m = doc.meta.model
+    if m is not None and (m.n_moe_layers > m.num_hidden_layers or m.num_experts_per_tok > m.num_experts):
+        raise InputFileError(f"{where}: meta.model: n_moe_layers {m.n_moe_layers} of {m.num_hidden_layers} layers, "
+                             f"top-{m.num_experts_per_tok} of {m.num_experts} experts: inconsistent")
+
+
+def _count_numbers(v, limit: int, depth: int) -> int:
+    """How many numbers a nested list of at most `depth` levels holds (a ValueError-free count: anything that is
+    not a JSON number, too deep or more than `limit` values returns -1)."""
+    stack, n = [(v, 0)], 0
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, list) and d < depth:
+            stack.extend((y, d + 1) for y in x)
+        elif isinstance(x, (int, float)) and not isinstance(x, bool) and d == depth:
+            n += 1
+            if n > limit:
+                return -1
+        else:
+            return -1
+    return n
+
+
+def check_table_values(t: "OpTable", where: str) -> None:
+    """A table's times are seconds: finite (checked by OpTable), at most `MAX_SECONDS`, an operator's > 0 at every
+    grid point (an operator that costs nothing is not a measurement, and would price its calls as free), a residual
+    table's (`RESIDUAL_TABLES`) not < 0 everywhere."""
+    from dblock.errors import InputFileError
+    for q in QUANTILES:
+        a = getattr(t, q)
+        if np.abs(a).max(initial=0.0) > MAX_SECONDS:
+            raise InputFileError(f"{where}: table {t.name}: {q} has {float(np.abs(a).max()):g} s, beyond "
+                                 f"{MAX_SECONDS:g} s for one operator")
+    if t.name in RESIDUAL_TABLES:
+        if (t.median < 0).all():
+            raise InputFileError(f"{where}: table {t.name}: every median time < 0 (max {float(t.median.max()):g} s): "
+                                 "not a measurement")
+    elif not (t.median > 0).all() or not (t.lo >= 0).all():
+        bad = float(min(t.median.min(), t.lo.min()))
+        raise InputFileError(f"{where}: table {t.name}: a time <= 0 ({bad:g} s); an operator's measured times are "
+                             "> 0 (re-run `dblock simulate profile`)")
 
 
 # ---- pricing a call ---------------------------------------------------------------------------------------------

@@ -88,11 +88,14 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--train-summary {path}: no such file (train-tiny writes "
                                     "OUT/train_summary.json)")
-        with open(path) as f:
-            summary = json.load(f)
+        from dblock.input_files import read_json
+        summary = read_json(path, "--train-summary")
         for key in ("config", "params", "reproduce", "steps_done", "wall_s"):
-            if key not in summary:
-                raise ValueError(f"{path}: missing key {key!r}; is this a train-tiny summary?")
+            if not isinstance(summary, dict) or key not in summary:
+                raise ValueError(f"--train-summary {path}: missing key {key!r}; is this a train-tiny summary?")
+        if not isinstance(summary["config"], dict) or not all(isinstance(summary["config"].get(k), str)
+                                                              for k in ("family", "size", "task")):
+            raise ValueError(f"--train-summary {path}: config lacks family, size or task")
         summaries.append(summary)
     last = summaries[-1]["config"]
     for path, sm in zip(paths[:-1], summaries[:-1]):

@@ -11,9 +11,9 @@ import argparse
 import json
 import os
 
-from dblock.cli_args import (MAX_PROBLEMS, ArgumentParser, ValueRefused, add_batch_size_arg, add_decode_args,
-                             add_executor_args, add_model_args, float_arg, int_arg, resolve_max_new_tokens, seed_arg,
-                             seeds_arg)
+from dblock.cli_args import (MAX_PROBLEMS, ArgumentParser, FlagRule, ValueRefused, add_batch_size_arg,
+                             add_decode_args, add_executor_args, add_flag_rules, add_model_args, check_flag_rules,
+                             float_arg, int_arg, resolve_max_new_tokens, seed_arg, seeds_arg)
 from dblock.decoding.flags import check_fits, decode_config, schedule_from_args
 from dblock.model_flags import load_model, make_forward, model_config
 from dblock.out_paths import check_out_dir
@@ -65,11 +65,17 @@ def task_from_name(name: str, **kw):
     try:
         task = get_task(name, **kw)
         task.examples("test", 1)
-        return task
     except TaskError:
         raise
     except (ValueError, TypeError, OverflowError) as e:
         raise TaskError(f"--task {str(name)[:60]}: {e}") from None
+    kinds = task.sizes() if hasattr(task, "sizes") else {}
+    for key, flag, kind in (("add_digits", "--add-digits", "add"), ("rev_len", "--rev-len", "rev"),
+                            ("div_digits", "--div-digits", "div")):
+        if key in kw and kind not in kinds:       # the size of a kind the task never draws would do nothing
+            raise TaskError(f"{flag}: task {str(name)[:60]} has no {kind} problems (its kinds: "
+                            f"{', '.join(kinds) or 'none'}); leave {flag} out")
+    return task
 
 
 def make_task_from_args(args):
@@ -91,7 +97,7 @@ def add_parser(subparsers):
     t = subparsers.add_parser("train-tiny", help="train a tiny model on CPU with its family's real objective",
                               description="Train a tiny block-diffusion MoE model on the synthetic task (masked "
                                           "diffusion + BD3-LM block-causal training for llada2_moe). Writes "
-                                          "DIR/train_state.pt checkpoints and, at the end, the HF folder DIR.")
+                                          "DIR/train_state.st checkpoints and, at the end, the HF folder DIR.")
     t.add_argument("--family", choices=["llada2_moe", "diffusion_gemma"],
                    help="model family (required; with --resume: the run's own)")
     t.add_argument("--out", required=True, help="output folder (checkpoints + final HF model folder)")
@@ -100,7 +106,7 @@ def add_parser(subparsers):
     t.add_argument("--steps", type=int_arg(1, 10_000_000), default=None,
                    help="total optimizer steps (reproducible; overrides --minutes)")
     t.add_argument("--seed", type=seed_arg, default=d.seed, help="seed of weights, data order and noise (default 0)")
-    t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt with its stored settings")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.st with its stored settings")
     t.add_argument("--overwrite", action="store_true",
                    help="replace --out as a whole at the end of the run when it holds something (default: refuse a "
                         "non-empty folder)")
@@ -157,6 +163,7 @@ def add_parser(subparsers):
                         "compute in; default: as trained). With --resume of a finished run: export again")
     t.add_argument("--json", action="store_true", help="print the run summary as JSON")
     t.set_defaults(_run=_train)
+    add_flag_rules(t, *TRAIN_RULES)
 
     e = subparsers.add_parser("eval", help="held-out task accuracy and decoding counters of a model",
                               description="Decode the task's test-split problems and report exact-answer accuracy, "
@@ -176,6 +183,8 @@ def add_parser(subparsers):
     add_decode_args(e)
     add_executor_args(e)
     e.set_defaults(_run=_eval, max_new_tokens=None)     # None: the task's own length (code: 64), else 128
+    add_flag_rules(e, FlagRule("--seed", "without --seeds (each run takes its seed from --seeds)",
+                               lambda a, c: a.seeds is None))
 
     c = subparsers.add_parser("model-card", help="evaluate a trained tiny model and write its MODEL_CARD.md + card.json",
                               description="Evaluate DIR with `dblock eval` defaults and write MODEL_CARD.md and "
@@ -205,19 +214,41 @@ def add_parser(subparsers):
                         "(card.json `decoding`, which every command then applies to this model where no --steps "
                         "is given)")
     c.set_defaults(_run=_card)
+    add_flag_rules(c, FlagRule("--schedules-batch", "with --schedules-n N > 0 (the compare-schedules run it sizes)",
+                               lambda a, ctx: a.schedules_n > 0))
+
+
+def _code_task(name) -> bool:
+    from dblock.tasks.train_config import is_code_task
+    return is_code_task(name or "")
+
+
+#: what a resumed run takes from its train state instead of the command line (`dblock.tasks.train`): all but
+#: --out, --family (which must match), --stop-after, --save-dtype, --threads, --no-progress and --json
+RUN_SETTINGS = ("--minutes", "--steps", "--seed", "--size", "--task", "--add-digits", "--rev-len", "--div-digits",
+                "--block-size", "--batch-size", "--lr", "--warmup", "--bias-update", "--save-every", "--min-lr-frac",
+                "--curriculum-steps", "--curriculum-start", "--noisy-context", "--init-from", "--eval-every",
+                "--eval-n", "--vocab-size", "--tokenizer", "--window", "--block-warmup", "--fused-attention",
+                "--overwrite")
+TRAIN_RULES = (
+    FlagRule(RUN_SETTINGS, "to a new run: --resume continues with the settings stored in the run's train state",
+             lambda a, c: not a.resume),
+    FlagRule("--minutes", "without --steps (--steps fixes the run's length; --minutes turns a time budget into one)",
+             lambda a, c: a.steps is None),
+    FlagRule(("--vocab-size", "--tokenizer", "--window"), "with --task code (the arithmetic tasks use the character "
+             "tokenizer, one problem per row)", lambda a, c: _code_task(a.task)),
+    FlagRule(("--bias-update", "--block-warmup"), "to --family llada2_moe (DiffusionGemma's router has no expert bias "
+             "and its objective no BD3 blocks)", lambda a, c: a.family == "llada2_moe"),
+    FlagRule("--curriculum-start", "with --curriculum-steps N > 0", lambda a, c: a.curriculum_steps > 0),
+    FlagRule("--eval-n", "with --eval-every N > 0", lambda a, c: a.eval_every > 0),
+)
 
 
 def _run_family(out: str) -> str:
-    """The family of the run in OUT (its train_state.pt), for `--resume` without --family."""
-    import torch
-    path = os.path.join(out, "train_state.pt")
-    if not os.path.isfile(path):
-        raise ValueError(f"--resume: {path} does not exist (nothing to resume; give --family to start a run)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        return state["config"]["family"]
-    except Exception as e:  # noqa: BLE001 - a damaged state file is named, whatever the loader raised
-        raise ValueError(f"--resume: {path}: not a readable train state ({type(e).__name__})") from None
+    """The family of the run in OUT (its train state's metadata, `dblock.tasks.train_state`), for `--resume` without
+    --family."""
+    from dblock.tasks.train_state import run_family
+    return run_family(out)
 
 
 def _train(args) -> int:
@@ -253,7 +284,7 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from dblock.tasks.evaluate import TokenizerAdapter, evaluate, format_report
+    from dblock.tasks.evaluate import TokenizerAdapter, encode_task_prompts, evaluate, format_report
 
     task = make_task_from_args(args)
     resolve_max_new_tokens(args, task)
@@ -267,8 +298,9 @@ def _eval(args) -> int:
                                 "task prompts)")
     tok = TokenizerAdapter(hf)
     problems = task.examples(args.split, args.n)
-    check_fits(cfg, dec, spec, [(f"--task {args.task} ({args.split} problem {i})", tok.encode(e.prompt))
-                                for i, e in enumerate(problems)])
+    encoded = encode_task_prompts(tok, problems, args.task, args.model, args.split)
+    check_fits(cfg, dec, spec, [(f"--task {args.task} ({args.split} problem {i})", ids)
+                                for i, ids in enumerate(encoded)])
     model = load_model(args)
     fwd = make_forward(model, args)
     r = evaluate(fwd, task, n=args.n, dec=dec, schedule=spec, batch_size=args.batch_size, seeds=args.seeds,
@@ -307,6 +339,7 @@ def run_eval_command(cmd: str) -> dict:
     ap = ArgumentParser(prog="dblock")
     add_parser(ap.add_subparsers(dest="command"))
     args = ap.parse_args(argv[1:] + ["--json"])
+    check_flag_rules(args)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         args._run(args)

@@ -33,11 +33,34 @@ class TokenizerAdapter:
         from dblock.tasks.tokenizer import read_tokenizer
         return cls(read_tokenizer(path))
 
-    def encode(self, text: str) -> list:
-        return self.hf.encode(text).ids
+    def encode(self, text: str, name: str = "text") -> list:
+        """Token ids of `text`; a character the tokenizer cannot encode (a vocabulary without an unknown token:
+        `tokenizers` raises a bare Exception) is one PromptError naming it and its position (`name`: the text's
+        label)."""
+        try:
+            return self.hf.encode(text).ids
+        except Exception as e:  # noqa: BLE001 - tokenizers' WordLevel error is a plain Exception
+            from dblock.tasks.tokenizer import _unencodable
+            raise _unencodable(text, lambda c: self.hf.encode(c).ids, (), name, {}, True, "",
+                               (str(e).splitlines() or [type(e).__name__])[0]) from None
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+
+def encode_task_prompts(adapter: "TokenizerAdapter", examples, task_name: str, model: str,
+                        split: str = "test") -> list:
+    """The examples' prompts as token ids; a prompt the model's tokenizer cannot spell is one TaskError naming the
+    task, the model, the problem and the character (the model was not made for this task's text)."""
+    from dblock.errors import PromptError, TaskError
+    out = []
+    for i, e in enumerate(examples):
+        try:
+            out.append(adapter.encode(e.prompt, name=f"{split} problem {i}"))
+        except PromptError as err:
+            raise TaskError(f"--task {task_name}: the tokenizer of --model {model} cannot encode the task's prompts: "
+                            f"{err}") from None
+    return out
 
 
 def prompts_and_grader(task, adapter: "TokenizerAdapter", examples) -> tuple:

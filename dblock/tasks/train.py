@@ -28,9 +28,9 @@ Determinism: the examples and the noise of step s are pure functions of (seed, s
 hash-seeded train stream, noise from a torch.Generator seeded with (seed, s)), so the same seed and the same number
 of steps give bit-identical weights, and a run resumed from a checkpoint equals the uninterrupted run.
 Bit-identical needs the same torch build and thread count (default 1 thread: on the shared 2-core machine 2 threads
-ran ~4x slower from oversubscription). Checkpoints (`DIR/train_state.pt`: model incl. expert bias, optimizer, step,
-RNG, history) are written every `save_every` steps and at the end; the HF folder (config.json, model.safetensors,
-tokenizer.json) is written at the end.
+ran ~4x slower from oversubscription). Checkpoints (`DIR/train_state.st`, `dblock.tasks.train_state`: model incl.
+expert bias, optimizer, step, RNG, history; safetensors and JSON, no pickle) are written every `save_every` steps and
+at the end; the HF folder (config.json, model.safetensors, tokenizer.json) is written at the end.
 
 Options (TrainConfig; the defaults reproduce earlier runs bit for bit):
   curriculum     `curriculum_steps` K > 0: the first K steps draw from the task with its size maximum capped, the cap
@@ -67,7 +67,7 @@ from typing import Optional
 
 import torch
 
-from dblock.tasks import CharTokenizer
+from dblock.tasks import CharTokenizer, train_state
 from dblock.tasks.train_config import TrainConfig, is_code_task, reproduce_command
 from dblock.tasks.train_data import (_step_seed, add_noise, batch_for_step, block_size_at, code_batch_for_step,
                                      code_rows_for_step, draw_warm_blocks, make_task, parse_block_warmup,
@@ -76,7 +76,7 @@ from dblock.tasks.train_export import export
 from dblock.tasks.train_loss import balance_stats, diffusion_loss, expert_loads, update_expert_bias
 from dblock.tasks.train_model import build_model, init_from_model, make_tokenizer, set_fused_attention
 
-STATE_FILE = "train_state.pt"
+STATE_FILE = train_state.STATE_FILE
 SUMMARY_FILE = "train_summary.json"
 
 
@@ -101,32 +101,10 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def _atomic_save(obj, path: str) -> None:
-    """torch.save to `path`.tmp, then renamed over `path`; on any failure (a full disk) the .tmp is removed and
-    `path` keeps the previous checkpoint."""
-    import io
-
-    from dblock.errors import write_failure
-    tmp = path + ".tmp"
-    try:
-        buf = io.BytesIO()          # serialised first, so that a failed write is an OSError with its errno
-        torch.save(obj, buf)
-        with open(tmp, "wb") as f:
-            f.write(buf.getbuffer())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        if isinstance(e, (OSError, RuntimeError)):     # torch.save: "[enforce fail ...] file write failed"
-            raise write_failure(path, e) from None
-        raise
-
-
 def save_state(path: str, model, opt, cfg: TrainConfig, step: int, total: Optional[int], elapsed: float,
                history: list, loads_acc: torch.Tensor, evals: Optional[list] = None) -> None:
-    _atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "total_steps": total,
-                  "config": asdict(cfg), "elapsed_s": elapsed, "history": history, "loads": loads_acc,
-                  "torch_rng": torch.get_rng_state(), "evals": evals or []}, path)
+    """The run's training state, all or nothing (`dblock.tasks.train_state`: safetensors + JSON, no pickle)."""
+    train_state.save(path, model, opt, cfg, step, total, elapsed, history, loads_acc, evals)
 
 
 def recent_loss(history: list) -> Optional[float]:
@@ -175,7 +153,7 @@ def eval_during_training(model, task, tok: CharTokenizer, cfg: TrainConfig, step
 
 def train(cfg: TrainConfig, resume: bool = False, stop_after: Optional[int] = None, log=print,
           overwrite: bool = False) -> dict:
-    """Train (or resume) and write DIR/train_state.pt plus the HF folder in DIR. Returns the run summary.
+    """Train (or resume) and write DIR/train_state.st plus the HF folder in DIR. Returns the run summary.
 
     `stop_after`: stop (with a checkpoint, without the final export) once this many steps are done -- for tests
     of resumption and for splitting a long run.
@@ -233,21 +211,22 @@ def _run_folder(out: str, resume: bool, overwrite: bool) -> tuple:
 
 def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_dir: str, staged: bool) -> dict:
     torch.set_num_threads(max(1, cfg.threads))
-    state_path = os.path.join(run_dir, STATE_FILE)
+    state_path = train_state.state_path(run_dir) if resume else os.path.join(run_dir, STATE_FILE)
 
     step, total, elapsed_before, history, evals = 0, cfg.steps, 0.0, [], []
     state = None
     if resume:
-        if not os.path.isfile(state_path):
-            raise FileNotFoundError(f"--resume: no checkpoint {state_path}")
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
-        stored = TrainConfig(**{**state["config"], "out": cfg.out, "progress": cfg.progress,
+        state = train_state.read(state_path)          # validated metadata; the tensors come once the model exists
+        if cfg.family != state.config["family"]:
+            from dblock.errors import ConfigError
+            raise ConfigError(f"--family {cfg.family}: the run in {cfg.out} is {state.config['family']}")
+        stored = TrainConfig(**{**state.config, "out": cfg.out, "progress": cfg.progress,
                                 "threads": cfg.threads,
-                                "save_dtype": cfg.save_dtype or state["config"].get("save_dtype")})
+                                "save_dtype": cfg.save_dtype or state.config.get("save_dtype")})
         cfg = stored
-        step, total = state["step"], state["total_steps"]
-        elapsed_before, history = state["elapsed_s"], state["history"]
-        evals = state.get("evals", [])
+        step, total = state.step, state.total_steps
+        elapsed_before, history = state.elapsed_s, state.history
+        evals = state.evals
     task = make_task(cfg)
     tok = make_tokenizer(cfg, run_dir, resume)
     windows = None
@@ -264,10 +243,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
     if state is None and cfg.init_from:
         init_from_model(model, cfg.init_from)
     if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        loads_acc = state["loads"]
-        torch.set_rng_state(state["torch_rng"])
+        loads_acc = state.restore(model, opt)       # model, optimizer, expert loads and RNG, checked, then read
     model.train()
 
     n_params = sum(p.numel() for p in model.parameters())

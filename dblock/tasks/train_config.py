@@ -109,7 +109,7 @@ def reproduce_command(cfg: TrainConfig, total: int) -> str:
         parts += ["--rev-len", "{},{}".format(*cfg.rev_len)]
     if cfg.div_digits:
         parts += ["--div-digits", "{},{}".format(*cfg.div_digits)]
-    if cfg.bias_update != TrainConfig.bias_update:
+    if cfg.bias_update != TrainConfig.bias_update and cfg.family == "llada2_moe":    # DiffusionGemma has no bias
         parts += ["--bias-update", str(cfg.bias_update)]
     if cfg.min_lr_frac != TrainConfig.min_lr_frac:
         parts += ["--min-lr-frac", str(cfg.min_lr_frac)]

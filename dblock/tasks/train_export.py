@@ -24,7 +24,7 @@ def export(model, out: str, tok, extra: Optional[dict] = None, carry_from: Optio
     (+ the files transformers reads, e.g. DiffusionGemma's generation_config.json), tokenizer.json +
     tokenizer_config.json and `extra` ({name: text}).
 
-    `carry_from`: a folder whose other entries (the run's train_state.pt, a model card) are carried into the new
+    `carry_from`: a folder whose other entries (the run's train_state.st, a model card) are carried into the new
     folder -- never weights (*.safetensors, the index) nor anything the export writes itself, nor *.tmp leftovers.
     `out` must be missing or empty unless `overwrite` (then the whole folder is replaced)."""
     from dblock.tiny import hf_files

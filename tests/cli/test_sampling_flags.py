@@ -28,9 +28,15 @@ def gen(capsys, *extra, model="tiny-masked", prompt=PROMPT):
 def test_default_is_greedy_and_unchanged_by_explicit_greedy_flags(capsys):
     a = gen(capsys)
     assert a["finish_reason"] == ["stop"] and a["n"] == 1 and a["tokens"][0][-1] == 1      # ends at EOS
-    # T = 0 is greedy whatever the filters; --temperature 0 is --sampling-temperature 0
-    assert gen(capsys, "--temperature", "0", "--top-k", "3", "--top-p", "0.5")["tokens"] == a["tokens"]
-    assert gen(capsys, "--sampling-temperature", "0", "--seed", "7")["tokens"] == a["tokens"]
+    # --temperature 0 is --sampling-temperature 0: greedy
+    assert gen(capsys, "--temperature", "0")["tokens"] == a["tokens"]
+    assert gen(capsys, "--sampling-temperature", "0")["tokens"] == a["tokens"]
+    # what would act only on sampling does nothing under greedy decoding: refused by name, not ignored
+    for extra, flag in ((("--temperature", "0", "--top-k", "3"), "--top-k"),
+                        (("--temperature", "0", "--top-p", "0.5"), "--top-p"),
+                        (("--sampling-temperature", "0", "--seed", "7"), "--seed")):
+        rc, out, err = run(capsys, "generate", "--model", "tiny-masked", "--prompt", PROMPT, *extra)
+        assert rc == 2 and out == "" and err.startswith(f"dblock: error: {flag}:") and "would do nothing" in err
 
 
 def test_a_sampler_filter_without_a_temperature_is_refused(capsys):

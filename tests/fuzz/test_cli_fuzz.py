@@ -177,7 +177,28 @@ def simulate_oba_argv(draw):
     argv = vector(draw, ["simulate", "oba"], opts)
     if "--simulate" in argv and "--tokens" not in argv:           # the default workload is 2048-token answers
         argv += ["--tokens", "gamma:64,0.3"]
+    # --tokens, --block and --seed act only with --simulate R > 0, the closed forms only without --paper (any of
+    # them elsewhere is refused by name): mostly keep them where they act, so that many vectors run
+    sim = "--simulate" in argv and argv[argv.index("--simulate") + 1] not in ("0",)
+    if (not sim or "--paper" in argv) and draw(st.integers(0, 4)):
+        argv = _drop(argv, {"--tokens", "--block", "--seed"} | ({"--nbar", "--alpha", "--r", "--k-max", "--simulate"}
+                                                                 if "--paper" in argv else set()))
     return argv
+
+
+def _drop(argv: list, flags: set) -> list:
+    """`argv` without the given options (and their values)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        out.append(a)
+    return out
 
 
 def _workdir() -> str:

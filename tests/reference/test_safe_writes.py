@@ -309,7 +309,7 @@ def test_checkpoint_tmp_removed_on_failure(tmp_path, monkeypatch):
     d = tmp_path / "run"
     train(micro(d), stop_after=1, log=quiet)
     before = (d / STATE_FILE).read_bytes()
-    import dblock.tasks.train as T
+    import dblock.tasks.train_state as T
 
     class Full:                    # the checkpoint file: half of it written, then the disk is full
         def __init__(self, path, mode):
@@ -325,7 +325,7 @@ def test_checkpoint_tmp_removed_on_failure(tmp_path, monkeypatch):
         def __exit__(self, *a):
             self.f.close()
     monkeypatch.setattr(T, "open", Full, raising=False)
-    with pytest.raises(OSError, match=r"train_state.pt: could not be written \(ENOSPC: No space left on device\)"):
+    with pytest.raises(OSError, match=r"train_state.st: could not be written \(ENOSPC: No space left on device\)"):
         train(micro(d), resume=True, log=quiet)
     monkeypatch.delattr(T, "open")
     assert (d / STATE_FILE).read_bytes() == before and not (d / (STATE_FILE + ".tmp")).exists()

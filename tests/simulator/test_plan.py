@@ -142,6 +142,8 @@ def test_bad_input_is_one_clear_error(tmp_path, argv, fragments):
     base = ["simulate", "plan", "--model", "llada2-mini", "--hardware", "h200", "--rate", "5"]
     if argv[0] == "--hardware":
         base = base[:4] + base[6:]
+    if argv[0] == "--operator-profile":     # a profiled plan takes no --model, --hardware or --rate
+        base = base[:2]
     o = run_cli(base + argv, tmp_path)
     assert check_contract(o) == "refused", o.err
     for f in fragments:

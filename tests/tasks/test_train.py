@@ -127,7 +127,8 @@ def test_expert_bias_update_and_lr():
 
 
 def _state(out):
-    return torch.load(os.path.join(out, "train_state.pt"), weights_only=False)
+    from dblock.tasks.train_state import STATE_FILE, contents
+    return contents(os.path.join(out, STATE_FILE))
 
 
 def test_determinism_resume_and_export(tmp_path):

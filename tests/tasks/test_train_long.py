@@ -23,7 +23,8 @@ def micro_cfg(out, **kw):
 
 
 def _state(out):
-    return torch.load(os.path.join(out, "train_state.pt"), weights_only=False)
+    from dblock.tasks.train_state import STATE_FILE, contents
+    return contents(os.path.join(out, STATE_FILE))
 
 
 def _fixed_loss(model, cfg, step=10_000):
