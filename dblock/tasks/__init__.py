@@ -1,6 +1,6 @@
 """Synthetic graded tasks and the character tokenizer for the tiny bundled models.
 
-`get_task(name)` names: `code` (completing held-out Python source, `dblock/tasks/code.py`; `code:seed=N` orders
+`get_task(name)` names: `exec` (what a short generated Python program prints, `dblock/tasks/exec_task.py`), `code` (completing held-out Python source, `dblock/tasks/code.py`; `code:seed=N` orders
 its problems with another seed), `arith` (add + rev, 1:1), `arith-add`, `arith-rev`, `arith-small` (add + rev, 1:1, with
 1..4-digit operands and 1..6-digit strings: about 3 blocks per answer),
 `arith-long` (the `groups` answer style of `dblock/tasks/arith.py`: add of 1..8-digit operands, div -- short
@@ -36,6 +36,11 @@ def base_task(name: str) -> str:
 
 
 def get_task(name: str, **kwargs):
+    if base_task(name) == "exec":
+        from dblock.tasks.exec_task import ExecTask
+        if kwargs or name != "exec":
+            raise ValueError(f"task {name!r}: the exec task takes no options (give 'exec')")
+        return ExecTask()
     if base_task(name) == "code":
         from dblock.tasks.code import CodeTask
         if kwargs:
@@ -59,7 +64,7 @@ def get_task(name: str, **kwargs):
             raise ValueError(f"bad task mix {name!r}: expected e.g. 'arith:add=3,rev=1'") from None
         defaults = _VARIANTS.get(base, {})
         return ArithTask(name=name, **{**defaults, "mix": mix, **kwargs})
-    raise ValueError(f"unknown task {name!r}; known: {['code'] + sorted(_FIXED) + sorted(_VARIANTS)}, 'arith:add=W,rev=W' or "
+    raise ValueError(f"unknown task {name!r}; known: {['code', 'exec'] + sorted(_FIXED) + sorted(_VARIANTS)}, 'arith:add=W,rev=W' or "
                      "'arith-long:add=W,div=W,rev=W'")
 
 

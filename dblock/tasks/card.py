@@ -170,6 +170,91 @@ def _is_code(card: dict) -> bool:
     return card["task"].partition(":")[0] == "code"
 
 
+def _is_exec(card: dict) -> bool:
+    return card["task"].partition(":")[0] == "exec"
+
+
+def _exec_data_text(card: dict) -> str:
+    d = card.get("task_description") or {}
+    its = d.get("iterations", {})
+    return ("Generated from a seed, no download: the `exec` task (`dblock/tasks/exec_task.py`), \"what does this "
+            "program print?\". A prompt is a short Python program of the generator's own grammar: "
+            f"{' or '.join(str(v) for v in d.get('variables', []))} variables set from literals, an optional list of "
+            "ten digits, a `print` of the state, then a `for` loop of "
+            + ", ".join(f"{a}..{b} iterations ({k} variables)" for k, (a, b) in its.items())
+            + " whose body updates each variable once (`(x+y)%10`, `(x-y)%10`, `(x*y)%10`, `x//k`, `x%k`, `L[x]`, "
+            "or `if x>y:` / `else:` between two of them) and prints the state. The answer is what the program "
+            "prints (found by running it in-process), one line per state, every value a digit: each line depends on "
+            "the line before, so the values form dependency chains as long as the loop. Programs whose trace repeats "
+            f"a state within its first {d.get('distinct_states', '?')} lines are redrawn. Character tokenizer "
+            f"(vocabulary {card.get('vocab_size', '?')}; `transformers.AutoTokenizer` loads `tokenizer.json`). "
+            f"Split: {d.get('split', '?')}. Metrics: the whole answer exact (the task's accuracy), the share of "
+            "printed values right (position by position) and the model's held-out loss per token "
+            + ("(its canvas cross-entropy under uniform noise)" if card.get("family") == "diffusion_gemma" else
+               "(its masked-diffusion training loss on the reference answer, an upper bound on the NLL)")
+            + "; 95% bootstrap CIs over problems")
+
+
+def _exec_eval_lines(e: dict) -> str:
+    m = e.get("metrics", {})
+
+    def metric(k, label):
+        if k not in m:
+            return ""
+        x = m[k]
+        return f"- {label} **{x['mean']:.3f}** (95% CI {x['ci'][0]:.3f}..{x['ci'][1]:.3f}, {x['n']} problems)\n"
+    kinds = ", ".join(f"{k} {v:.3f}" for k, v in e["accuracy_by_kind"].items())
+    hist = " ".join(f"{k}:{v}" for k, v in e["passes_per_block_hist"].items())
+    grades = "; ".join(f"{k} " + " ".join(f"{g}:{r}/{n}" for g, (r, n) in by.items())
+                       for k, by in e.get("accuracy_by_grade", {}).items())
+    return (metric("answer_exact", "whole answer exact") + f"  (by kind: {kinds}; right/problems by loop length: "
+            f"{grades})\n"
+            + metric("value_accuracy", "printed values right")
+            + metric("loss_per_token", "held-out loss per token (nats)")
+            + f"- tokens Y={e['Y']}, blocks K={e['K']}, passes F={e['F']}, tokens per forward TPF={e['TPF']:.3f}\n"
+            f"- passes per block: mean **{e['passes_per_block_mean']:.2f}**; blocks per answer "
+            f"{e['blocks_per_answer_mean']:.2f}\n"
+            f"- passes-per-block histogram (passes:blocks): {hist}")
+
+
+def _render_exec(card: dict, fam: str, curve: str, png: str) -> str:
+    e = card["eval"]
+    dec = e["decode"]
+    rule = (f"threshold τ = {dec['threshold']} with no step cap" if dec["rule"] == "threshold" and
+            not dec.get("threshold_steps") else dec["rule"] + (f", N = {dec['steps']} steps per block"
+                                                              if dec.get("steps") else ""))
+    return f"""# {card['name']}
+
+A small {card['family']} model bundled with dblock: {fam}, trained to execute short Python programs.
+{card['params']:,} parameters, size `{card['size']}`, block size {card['block_size']}, character tokenizer
+(vocabulary {card.get('vocab_size', '?')}). It exists so that Epoch's and One Block Ahead's claims are measured on a
+model that does its task: it is sure of each printed value once the values it depends on are decoded, and the
+answers' dependency chains make a block live many passes -- what can be computed now is committed now, the rest
+waits, as LLaDA2.0 decodes GSM8K.
+
+## Data
+
+{_exec_data_text(card)}.
+
+## Training
+
+{_training_text(card)}
+{png}
+| step (last stage) | loss | token accuracy (noised positions) |
+|---|---|---|
+{curve}
+
+## Evaluation (held-out split, reference executor, the card's default decoding: block {card['block_size']}, {rule}, \
+{dec['max_new_tokens']} new tokens)
+
+    {card['eval_command']}
+
+{_exec_eval_lines(e)}
+
+{_schedules_text(card)}{_schedules_table(card)}{_atlas_text(card)}`card.json` holds these numbers; `tests/tasks/test_model_cards.py` re-runs the evaluation commands and checks them.
+"""
+
+
 def _code_data_text(card: dict) -> str:
     from dblock.tasks.code import CONTEXT_CHARS, TOKEN_N
     from dblock.tasks.code_corpus import SYMPY_VERSION, TEST_FRACTION, corpus_files
@@ -349,6 +434,8 @@ def render_markdown(card: dict) -> str:
     png = "\n![training loss and held-out accuracy](loss_curve.png)\n" if card.get("train_stages") else ""
     if _is_code(card):
         return _render_code(card, fam, curve, png)
+    if _is_exec(card):
+        return _render_exec(card, fam, curve, png)
     return f"""# {card['name']}
 
 A tiny {card['family']} model bundled with dblock: {fam}.

@@ -135,15 +135,16 @@ def make_card(model: str, summary_paths, task: Optional[str], n: int, run_eval: 
     sub = run_eval(f"dblock eval --model {folder} --task {task} --n {SUBSET_N}{dflag}")
     card["subset"] = {"command": f"dblock eval --model {name} --task {task} --n {SUBSET_N}", "n": SUBSET_N,
                       "accuracy": sub["accuracy"], "correct": [bool(q["correct"]) for q in sub["requests"]]}
-    if "metrics" in sub:                # the code task: per-request token accuracy and passes, and the means
-        card["subset"]["token_accuracy"] = [q["token_accuracy"] for q in sub["requests"]]
+    if "metrics" in sub:     # code / exec: per-request token (value) accuracy and passes, and the means
+        key = "value_accuracy" if base_task(task) == "exec" else "token_accuracy"
+        card["subset"][key] = [q[key] for q in sub["requests"]]
         card["subset"]["passes"] = [q["passes"] for q in sub["requests"]]
         card["subset"]["metrics"] = sub["metrics"]
     if schedules_n:
         cmd = (f"dblock compare-schedules --model {{}} --task {task} --n {schedules_n} --batch-size "
                f"{schedules_batch}")
         card["schedules"] = schedules_summary(run_command(cmd.format(folder) + dflag), cmd.format(name))
-    if base_task(task) == "code" and last["family"] == "llada2_moe":
+    if base_task(task) in ("code", "exec") and last["family"] == "llada2_moe":
         cmd = f"dblock verify --model {{}} --task {task} --n {SUBSET_N} --no-probe"
         card["atlas"] = atlas_summary(run_command(cmd.format(folder) + dflag), cmd.format(name))
     if notes:

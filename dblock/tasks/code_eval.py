@@ -5,7 +5,8 @@ bootstrap CIs over requests (`dblock.tasks.code.bootstrap_ci`). `heldout_loss(mo
 training objective on the held-out references, per token:
 
     llada2_moe  the BD3-LM masked-diffusion loss (an upper bound on the negative log-likelihood, the ELBO): for each
-                example [prompt ; the first GEN_TOKENS reference tokens] on the block grid, `draws` noise levels
+                example [prompt ; the first `gen_tokens` reference tokens (GEN_TOKENS = 64 for the code task; the
+                exec task passes its answer budget)] on the block grid, `draws` noise levels
                 t_d = (d + u) / draws (u per example, stratified), each reference token masked with probability
                 p = t_d; the loss is sum over masked reference tokens of CE / p, divided by the number of reference
                 tokens, averaged over the draws. Prompt rows stay clean (as at decoding time); one forward over
@@ -28,10 +29,10 @@ LOSS_DRAWS = 4
 
 
 def summarize(records: list) -> dict:
-    """{metric: {"mean", "ci": [lo, hi], "n"}} over requests, for next_line_exact, token_accuracy and (when present)
-    loss_per_token."""
+    """{metric: {"mean", "ci": [lo, hi], "n"}} over requests, for the metrics present: the code task's
+    next_line_exact and token_accuracy, the exec task's answer_exact and value_accuracy, and loss_per_token."""
     out = {}
-    for key in ("next_line_exact", "token_accuracy", "loss_per_token"):
+    for key in ("next_line_exact", "token_accuracy", "answer_exact", "value_accuracy", "loss_per_token"):
         vals = [float(r[key]) for r in records if r.get(key) is not None]
         if vals:
             out[key] = {"mean": sum(vals) / len(vals), "ci": bootstrap_ci(vals), "n": len(vals)}
@@ -39,21 +40,22 @@ def summarize(records: list) -> dict:
 
 
 @torch.no_grad()
-def heldout_loss(model, examples: list, tok, draws: int = LOSS_DRAWS, seed: int = 0, batch: int = 16) -> list:
+def heldout_loss(model, examples: list, tok, draws: int = LOSS_DRAWS, seed: int = 0, batch: int = 16,
+                 gen_tokens: int = GEN_TOKENS) -> list:
     """Per-example held-out loss per token (nats) of a llada2_moe model on the examples' references (see the module
     docstring)."""
     from dblock.tasks.bd3 import bd3_mask
     cfg = model.config
     if cfg.family == "diffusion_gemma":
         from dblock.tasks import train_uniform
-        return train_uniform.heldout_loss(model, examples, tok, draws=draws, seed=seed, gen_tokens=GEN_TOKENS)
+        return train_uniform.heldout_loss(model, examples, tok, draws=draws, seed=seed, gen_tokens=gen_tokens)
     if cfg.family != "llada2_moe":
         raise ValueError(f"heldout_loss: family {cfg.family} (llada2_moe, diffusion_gemma)")
     C, mask_id, pad = cfg.block_size, cfg.mask_token_id, cfg.eos_token_id
     rows = []
     for e in examples:
         p = tok.encode(e.prompt)
-        r = tok.encode(e.answer)[:GEN_TOKENS]
+        r = tok.encode(e.answer)[:gen_tokens]
         rows.append((p, r))
     gen = torch.Generator().manual_seed(seed)
     u = torch.rand(len(rows), generator=gen)

@@ -120,7 +120,9 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
 
     The `code` task (`dblock/tasks/code.py`) grades the next line (`accuracy` = next-line exact match) and adds per
     request `next_line_exact`, `token_accuracy` and (with `loss`, once per problem) `loss_per_token`, and `metrics`:
-    their means with 95% bootstrap CIs over requests (`dblock.tasks.code_eval.summarize`).
+    their means with 95% bootstrap CIs over requests (`dblock.tasks.code_eval.summarize`). The `exec` task
+    (`dblock/tasks/exec_task.py`) grades the whole answer and adds `answer_exact`, `value_accuracy` and the loss the
+    same way.
     """
     from dblock.decoding.generate import generate
     from dblock.tasks import answer_text
@@ -137,7 +139,8 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
     probs = task.examples(split, n, start=start)
     prompts = [tok.encode(e.prompt) for e in probs]
     is_code = getattr(task, "style", None) == "code"
-    ref_ids = [tok.encode(e.answer) for e in probs] if is_code else None
+    scored = getattr(task, "style", None) in ("code", "exec")     # per-request metrics, CIs and the held-out loss
+    ref_ids = [tok.encode(e.answer) for e in probs] if scored else None
     seeds = list(seeds) if seeds else [dec.seed]
     per_seed, all_passes, all_blocks, all_Y, kinds_ok, kinds_passes = [], [], [], [], {}, {}
     grade_ok: dict = {}
@@ -152,10 +155,10 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
         correct = 0
         for i, (e, ids, c) in enumerate(zip(probs, res.tokens, res.counters)):
             text = answer_text(ids, tok)
-            ok = task.grade(e.prompt, text, example=e) if is_code else task.grade(e.prompt, text)
+            ok = task.grade(e.prompt, text, example=e) if scored else task.grade(e.prompt, text)
             requests.append({"index": start + i, "seed": seed, "prompt": e.prompt, "tokens": [int(t) for t in ids],
                              "text": text, "expected": e.answer, "correct": bool(ok), "passes": int(c.F)})
-            if is_code:
+            if scored:
                 cut = [int(t) for t in ids]
                 cut = cut[:cut.index(tok.eos_id)] if tok.eos_id in cut else cut
                 requests[-1].update(task.score(e, text, cut, ref_ids[i]))
@@ -209,11 +212,11 @@ def evaluate(model_or_forward: Any, task, n: int = 200, dec: Optional[DecodeConf
         "eos_rate": eos_count / runs,
         "requests": requests,
     }
-    if is_code:
+    if scored:
         if loss:
             from dblock.tasks.code_eval import heldout_loss
             model = getattr(model_or_forward, "model", model_or_forward)
-            per = heldout_loss(model, probs, tok)
+            per = heldout_loss(model, probs, tok, gen_tokens=getattr(task, "max_new_tokens", 64))
             for q in requests:
                 q["loss_per_token"] = per[q["index"] - start]
         from dblock.tasks.code_eval import summarize

@@ -68,7 +68,7 @@ from typing import Optional
 import torch
 
 from dblock.tasks import CharTokenizer, train_state
-from dblock.tasks.train_config import TrainConfig, is_code_task, reproduce_command
+from dblock.tasks.train_config import TrainConfig, is_code_task, is_exec_task, reproduce_command
 from dblock.tasks.train_data import (_step_seed, add_noise, batch_for_step, block_size_at, code_batch_for_step,
                                      code_rows_for_step, draw_warm_blocks, make_task, parse_block_warmup,
                                      rows_for_step)
@@ -123,11 +123,12 @@ def eval_during_training(model, task, tok: CharTokenizer, cfg: TrainConfig, step
     rng = torch.get_rng_state()
     t0 = time.perf_counter()
     model.eval()
-    code = is_code_task(cfg.task)
+    code = is_code_task(cfg.task) or is_exec_task(cfg.task)
     fused = [m for m in model.modules() if getattr(m, "fused", False)]
     set_fused_attention(model, False)          # decode exactly as `dblock eval` does
     try:
-        dec = DecodeConfig(rule=rule, max_new_tokens=64) if code else DecodeConfig(rule=rule)
+        dec = (DecodeConfig(rule=rule, max_new_tokens=getattr(task, "max_new_tokens", 64)) if code else
+               DecodeConfig(rule=rule))
         r = evaluate(model, task, n=cfg.eval_n, dec=dec, tokenizer=tok)
     finally:
         for m in fused:

@@ -98,6 +98,10 @@ def is_code_task(name: str) -> bool:
     return name.partition(":")[0] == "code"
 
 
+def is_exec_task(name: str) -> bool:
+    return name.partition(":")[0] == "exec"
+
+
 def reproduce_command(cfg: TrainConfig, total: int) -> str:
     """The `dblock train-tiny` command that reproduces this run bit for bit (fixed --steps, no --minutes)."""
     parts = ["dblock", "train-tiny", "--family", cfg.family, "--out", cfg.out, "--size", cfg.size,

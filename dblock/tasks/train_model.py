@@ -1,6 +1,7 @@
 """The model and tokenizer of a `dblock train-tiny` run: the seeded init (`build_model`, `init_weights`), a second
 stage's start from another model's weights (`init_from_model`), training-time fused attention, and the run's
-tokenizer (the character tokenizer, or the code task's byte-level BPE kept in the run folder)."""
+tokenizer (the character tokenizer -- the exec task's own character vocabulary for `--task exec` -- or the code task's
+byte-level BPE kept in the run folder)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import math
 import torch
 
 from dblock.tasks import CharTokenizer
-from dblock.tasks.train_config import TrainConfig, is_code_task, llada2_config
+from dblock.tasks.train_config import TrainConfig, is_code_task, is_exec_task, llada2_config
 
 
 def init_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
@@ -57,6 +58,11 @@ def make_tokenizer(cfg: TrainConfig, run_dir: str, resume: bool):
     """The run's tokenizer: the character tokenizer, or for task `code` the byte-level BPE -- read back from the run
     folder on --resume, taken from --tokenizer (or the --init-from model's folder), else built from the corpus --
     and written into the run folder so that a resumed run uses the very same one."""
+    if is_exec_task(cfg.task):
+        from dblock.tasks.exec_task import exec_tokenizer
+        tok = exec_tokenizer()
+        tok.save(run_dir)
+        return tok
     if not is_code_task(cfg.task):
         return CharTokenizer()
     from dblock.tasks.code_corpus import CodeTokenizer

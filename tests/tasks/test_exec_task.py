@@ -1,0 +1,131 @@
+"""The `exec` task: deterministic programs whose answers are what Python prints, a stable split, the grader, the
+tokenizer, and `train-tiny --task exec` learning."""
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dblock.tasks import get_task
+from dblock.tasks.exec_task import DISTINCT, ITERS, MAX_ANSWER, ExecTask, exec_tokenizer
+
+
+def _python_prints(program: str) -> str:
+    """What a separate CPython process prints for `program` (the real interpreter, all builtins)."""
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True,
+                          timeout=60).stdout
+
+
+def test_answers_are_what_a_real_python_process_prints():
+    task = ExecTask()
+    examples = task.examples("test", 12) + task.examples("train", 12, start=1000)
+    progs = "\n".join(f"exec({e.prompt!r})\nprint('---')" for e in examples)
+    printed = _python_prints(progs).split("---\n")[:-1]
+    assert printed == [e.answer for e in examples]
+
+
+@settings(max_examples=40, deadline=None)
+@given(index=st.integers(0, 10 ** 9), split=st.sampled_from(["train", "test"]))
+def test_generator_is_deterministic_and_within_its_grammar(index, split):
+    task = ExecTask()
+    e = task.sample(split, index)
+    assert e == ExecTask().sample(split, index)                       # a pure function of (split, index)
+    assert task.split_of(e.prompt) == split
+    assert task.solve(e.prompt) == e                                  # run in-process = the example's answer
+    lines = e.answer.split("\n")[:-1]
+    n_vars = int(e.kind[-1])
+    lo, hi = ITERS[n_vars]
+    assert lo <= e.digits <= hi and len(lines) == e.digits + 1
+    assert all(len(ln.split()) == n_vars and all(v in "0123456789" for v in ln.split()) for ln in lines)
+    assert len(set(lines[:DISTINCT])) == DISTINCT                     # no short cycle copied instead of computed
+    assert len(e.answer) + 1 <= MAX_ANSWER                            # answer + <eos> in three blocks of 32
+    exec_tokenizer().encode(e.prompt + e.answer)                      # every character is in the vocabulary
+
+
+def test_python_agrees_over_many_seeds():
+    """A property over seeds, in one interpreter call: 200 programs of both splits."""
+    task = ExecTask()
+    examples = [task.sample(s, i) for i in range(100) for s in ("train", "test")]
+    progs = "\n".join(f"exec({e.prompt!r})\nprint('---')" for e in examples)
+    assert _python_prints(progs).split("---\n")[:-1] == [e.answer for e in examples]
+
+
+def test_split_is_stable_disjoint_and_pinned():
+    task = ExecTask()
+    test = task.examples("test", 200)
+    train = task.examples("train", 2000)
+    assert not {e.prompt for e in test} & {e.prompt for e in train}
+    assert all(task.split_of(e.prompt) == "test" for e in test)
+    # the split depends on the program text alone: a fresh task object (other sizes) agrees on every prompt
+    other = ExecTask().capped(9)
+    assert all(other.split_of(e.prompt) == "test" for e in test)
+    # the first held-out problems are pinned: a change of the generator changes the benchmark, on purpose only
+    import hashlib
+    digest = hashlib.sha256("".join(e.prompt + e.answer for e in test[:50]).encode()).hexdigest()[:16]
+    assert digest == PINNED_TEST_DIGEST, digest
+    # both kinds and every construct of the grammar occur
+    kinds = {e.kind for e in test}
+    assert kinds == {"vars2", "vars3"}
+    text = "".join(e.prompt for e in test)
+    for construct in ("if ", "else:", "L[", "//", "%", "*", "-", "+"):
+        assert construct in text, construct
+
+
+PINNED_TEST_DIGEST = "7ad22ae31d6bdbe3"  # the first 50 held-out problems of the generator of record
+
+
+def test_grading_whole_answer_and_values():
+    task = get_task("exec")
+    e = task.examples("test", 1)[0]
+    assert task.grade(e.prompt, e.answer) and task.grade(e.prompt, e.answer + "<eos>junk")
+    assert task.grade(e.prompt, e.answer.rstrip("\n"))               # trailing whitespace ignored
+    wrong = ("9" if e.answer[0] != "9" else "8") + e.answer[1:]
+    assert not task.grade(e.prompt, wrong)
+    s = task.score(e, wrong)
+    n = len(e.answer.split())
+    assert not s["answer_exact"] and s["value_accuracy"] == pytest.approx((n - 1) / n)
+    assert task.score(e, "")["value_accuracy"] == 0.0
+    assert task.score(e, e.answer) == {"answer_exact": True, "value_accuracy": 1.0}
+
+
+def test_curriculum_caps_the_loop():
+    t = ExecTask().capped(3)
+    assert t.sizes() == {"vars2": (3, 3), "vars3": (3, 3)}
+    assert all(e.digits == 3 for e in t.examples("train", 20))
+    assert ExecTask().capped(12).sizes() == {"vars2": (8, 12), "vars3": (8, 12)}
+
+
+def test_task_names():
+    assert isinstance(get_task("exec"), ExecTask)
+    with pytest.raises(ValueError, match="exec"):
+        get_task("exec:foo=1")
+
+
+def test_tokenizer_round_trips_and_loads_in_transformers(tmp_path):
+    tok = exec_tokenizer()
+    e = ExecTask().examples("test", 1)[0]
+    ids = tok.encode(e.prompt + e.answer)
+    assert tok.decode(ids) == e.prompt + e.answer and tok.vocab_size % 8 == 0
+    tok.save(tmp_path)
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert hf.encode(e.prompt, add_special_tokens=False) == tok.encode(e.prompt)
+
+
+def test_train_tiny_exec_reduces_the_loss(tmp_path):
+    import dblock
+    from dblock.tasks.train import train
+    from dblock.tasks.train_config import TrainConfig
+    cfg = TrainConfig(family="llada2_moe", out=str(tmp_path / "m"), size="code-micro", task="exec", block_size=32,
+                      steps=30, batch_size=8, lr=5e-3, warmup=5, log_every=10, progress=False, save_every=1000,
+                      fused_attention=True)
+    summary = train(cfg, log=lambda *a: None)
+    hist = json.load(open(tmp_path / "m" / "train_summary.json"))["history"]
+    assert hist[-1]["ce"] < hist[0]["ce"] - 0.5, hist                 # ln(64) = 4.2 at the start
+    assert "--task exec" in summary["reproduce"]
+    m = dblock.load(str(tmp_path / "m"))
+    assert m.config.vocab_size == exec_tokenizer().vocab_size
+    from dblock.tasks.tokenizer import CharTokenizer
+    assert CharTokenizer.load(str(tmp_path / "m")).vocab == exec_tokenizer().vocab
