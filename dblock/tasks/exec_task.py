@@ -2,9 +2,9 @@
 
 Program execution as in *Learning to Execute* (Zaremba and Sutskever, 2014) and CRUXEval's output prediction. A
 prompt is a short Python program drawn from the generator's own grammar; the answer is what it prints, found by
-running it in-process (`run`: `exec` of generated text with no builtins but `print` and `range`, never a user's
-code). Every value is a small integer 0..9 (every arithmetic result is taken `% 10`, as the program itself says),
-so one value is one character of the character tokenizer.
+interpreting it in-process (`run`: `ast.parse`, then a walker that knows only this grammar; nothing is `exec`'d).
+Every value is a small integer 0..9 (every arithmetic result is taken `% 10`, as the program itself says), so one
+value is one character of the character tokenizer.
 
     a=7                          state: two or three variables (a, b[, c]) set from literals
     b=4
@@ -41,6 +41,7 @@ reference answer (`dblock.tasks.code_eval.heldout_loss`).
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import random
 import re
@@ -73,15 +74,102 @@ def _hash(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
-def run(program: str) -> str:
-    """What `program` prints: the generator's own grammar run in-process, with `print` captured and no other
-    builtin but `range` (the prompt text is never a user's)."""
-    out: list = []
+MAX_PROGRAM = 2000                   # characters: a program of this grammar is a few hundred
 
-    def _print(*args):
-        out.append(" ".join(str(a) for a in args) + "\n")
-    exec(compile(program, "<exec-task>", "exec"), {"__builtins__": {"range": range, "print": _print}})  # noqa: S102
+
+def run(program: str) -> str:
+    """What `program` prints, found by interpreting it: the text is parsed with `ast.parse` (which runs nothing)
+    and walked by `_Interp`, which knows only the generator's grammar (assignments of digits and of the expression
+    forms above, a list of digits, one `for` over `range(N)`, `if`/`else` on one comparison, `print` of variables)
+    and refuses anything else with a ValueError naming the construct and its line. Nothing is `exec`'d: a prompt
+    given to `solve` or `grade` may come from anywhere."""
+    if not isinstance(program, str) or len(program) > MAX_PROGRAM:
+        raise ValueError(f"not an exec-task program: expected text of at most {MAX_PROGRAM} characters")
+    try:
+        tree = ast.parse(program, mode="exec")
+    except SyntaxError as e:
+        raise ValueError(f"not an exec-task program: line {e.lineno}: {e.msg}") from None
+    out: list = []
+    _Interp(out).block(tree.body, top=True)
     return "".join(out)
+
+
+_BINOPS = {ast.Add: lambda x, y: x + y, ast.Sub: lambda x, y: x - y, ast.Mult: lambda x, y: x * y,
+           ast.FloorDiv: lambda x, y: x // y, ast.Mod: lambda x, y: x % y}
+_CMPOPS = {ast.Gt: lambda x, y: x > y, ast.Lt: lambda x, y: x < y, ast.Eq: lambda x, y: x == y}
+_MAX_LOOP = 64
+
+
+class _Interp:
+    """A walker over the AST of one program of the exec grammar (see `run`)."""
+
+    def __init__(self, out: list):
+        self.out, self.env = out, {}
+
+    @staticmethod
+    def refuse(node, what: str):
+        raise ValueError(f"not an exec-task program: line {getattr(node, 'lineno', '?')}: {what}")
+
+    def block(self, stmts, top: bool = False) -> None:
+        for st in stmts:
+            if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+                name = st.targets[0].id
+                if name == "L" and top and isinstance(st.value, ast.List):
+                    self.env["L"] = [self.digit(e) for e in st.value.elts]
+                elif name in NAMES:
+                    self.env[name] = self.expr(st.value)
+                else:
+                    self.refuse(st, f"assignment to {name!r}")
+            elif isinstance(st, ast.Expr) and isinstance(st.value, ast.Call):
+                self.print_(st.value)
+            elif (top and isinstance(st, ast.For) and isinstance(st.target, ast.Name) and st.target.id == "i"
+                  and isinstance(st.iter, ast.Call) and isinstance(st.iter.func, ast.Name)
+                  and st.iter.func.id == "range" and len(st.iter.args) == 1 and not st.iter.keywords
+                  and not st.orelse):
+                n = self.digit(st.iter.args[0], hi=_MAX_LOOP)
+                for k in range(n):
+                    self.env["i"] = k
+                    self.block(st.body)
+            elif isinstance(st, ast.If) and not top and len(st.body) == 1 and len(st.orelse) == 1:
+                self.block(st.body if self.test(st.test) else st.orelse)
+            else:
+                self.refuse(st, f"a statement the grammar does not have ({type(st).__name__})")
+
+    def digit(self, node, hi: int = 9) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int and 0 <= node.value <= hi:
+            return node.value
+        self.refuse(node, f"expected an integer literal 0..{hi}")
+
+    def test(self, node) -> bool:
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
+            return _CMPOPS[type(node.ops[0])](self.expr(node.left), self.expr(node.comparators[0]))
+        self.refuse(node, "a condition other than one comparison (>, <, ==)")
+
+    def expr(self, node) -> int:
+        if isinstance(node, ast.Constant):
+            return self.digit(node, hi=10)          # operands 0..9 and the modulus 10
+        if isinstance(node, ast.Name):
+            if node.id in self.env and node.id != "L":
+                return self.env[node.id]
+            self.refuse(node, f"name {node.id!r} is not a variable set before it")
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            x, y = self.expr(node.left), self.expr(node.right)
+            if y == 0 and isinstance(node.op, (ast.FloorDiv, ast.Mod)):
+                self.refuse(node, "division by zero")
+            return _BINOPS[type(node.op)](x, y)
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "L"
+                and "L" in self.env):
+            k = self.expr(node.slice)
+            if not 0 <= k < len(self.env["L"]):
+                self.refuse(node, f"index {k} outside L")
+            return self.env["L"][k]
+        self.refuse(node, f"an expression the grammar does not have ({type(node).__name__})")
+
+    def print_(self, call) -> None:
+        if not (isinstance(call.func, ast.Name) and call.func.id == "print" and not call.keywords
+                and all(isinstance(a, ast.Name) for a in call.args)):
+            self.refuse(call, "a call other than print(variables)")
+        self.out.append(" ".join(str(self.expr(a)) for a in call.args) + "\n")
 
 
 def _operand(rng: random.Random, names: str) -> str:

@@ -110,7 +110,7 @@ VALUES = {
     "--trace": "t.txt", "--prompt": "const:64", "--calibration": "none", "--gpus-per-replica": "8",
     "--max-gpus": "8", "--out": "o.json", "--hold-out": "t.jsonl", "--delta-from": "oba", "--gamma": "0.5",
     "--requests": "20", "--batch-cap": "4", "--profile": "p.json", "--repeats": "2", "--no-epoch": None,
-    "--alpha-model": "code-uniform", "--alpha-n": "16",
+    "--alpha-model": "code-uniform", "--alpha-n": "16", "--fit": "f.json",
 }
 
 #: options whose help names a mode but that need no rule, and why

@@ -1,6 +1,8 @@
 """The `exec` task: deterministic programs whose answers are what Python prints, a stable split, the grader, the
 tokenizer, and `train-tiny --task exec` learning."""
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -9,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dblock.tasks import get_task
-from dblock.tasks.exec_task import DISTINCT, ITERS, MAX_ANSWER, ExecTask, exec_tokenizer
+from dblock.tasks.exec_task import DISTINCT, ITERS, MAX_ANSWER, ExecTask, exec_tokenizer, run
 
 
 def _python_prints(program: str) -> str:
@@ -129,3 +131,28 @@ def test_train_tiny_exec_reduces_the_loss(tmp_path):
     assert m.config.vocab_size == exec_tokenizer().vocab_size
     from dblock.tasks.tokenizer import CharTokenizer
     assert CharTokenizer.load(str(tmp_path / "m")).vocab == exec_tokenizer().vocab
+
+
+@pytest.mark.parametrize("program, what", [
+    ("import os\nprint(a)\n", "Import"),
+    ("a=1\n__import__('os').system('touch x')\n", "a call other than print"),
+    ("a=1\nprint(a.__class__)\n", "a call other than print"),
+    ("a=1\nwhile a<2:\n a=(a+1)%10\n", "While"),
+    ("a=1\nfor i in range(10**9):\n a=(a+1)%10\n", "integer literal 0..64"),
+    ("a=1\nfor i in range(99):\n a=(a+1)%10\n", "integer literal 0..64"),
+    ("a=1\nb=a//0\n", "division by zero"),
+    ("x=1\n", "assignment to 'x'"),
+    ("a=1\nprint(b)\n", "'b' is not a variable"),
+    ("a=(1\n", "line 1"),
+    ("a=1\nL=[1,2]\nb=L[a+5]\n", "outside L"),
+    ("a=1\n" * 1500, "at most"),
+])
+def test_the_interpreter_runs_nothing_outside_its_grammar(program, what, tmp_path, monkeypatch):
+    """`run` interprets; it never execs: a hostile prompt given to solve/grade is one ValueError naming what is
+    wrong, and nothing it asks for happens."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(what)):
+        run(program)
+    with pytest.raises(ValueError):
+        get_task("exec").grade(program, "1")
+    assert not os.listdir(tmp_path)
