@@ -200,13 +200,25 @@ def _statement(rng: random.Random, names: str, v: str, has_list: bool) -> str:
     return f" {v}={_expr(rng, names, v, has_list)}\n"
 
 
-def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool) -> str:
+def _counter(rng: random.Random, names: str, v: str, has_list: bool) -> str:
+    return f" {v}=({v}+{rng.randint(1, 9)})%10\n"
+
+
+#: statement generators by grammar: "full" is the task; "counter" (each variable steps by its own constant: every
+#: program of a size has the same layout) and "copy" (no loop: the answer is the initial state) are the simpler
+#: grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum can start from
+GRAMMARS = {"full": _statement, "counter": _counter, "copy": None}
+
+
+def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full") -> str:
     names = NAMES[:n_vars]
     head = "".join(f"{v}={rng.randint(0, 9)}\n" for v in names)
     if has_list:
         head += "L=[" + ",".join(str(rng.randint(0, 9)) for _ in range(10)) + "]\n"
     pr = f"print({','.join(names)})\n"
-    body = "".join(_statement(rng, names, v, has_list) for v in names)
+    if GRAMMARS[grammar] is None:
+        return head + pr
+    body = "".join(GRAMMARS[grammar](rng, names, v, has_list) for v in names)
     return head + pr + f"for i in range({iters}):\n" + body + " " + pr
 
 
@@ -220,6 +232,11 @@ class ExecSizes:
     vars_: tuple = (2, 3)            # numbers of variables drawn (uniformly)
     list_prob: float = 0.35          # probability that a program has the list L
     max_iters: Optional[int] = None  # cap the loop length (the curriculum's early stages; 0: no loop iteration)
+    grammar: str = "full"            # a key of GRAMMARS
+
+    def __post_init__(self):
+        if self.grammar not in GRAMMARS:
+            raise ValueError(f"exec grammar {self.grammar!r}: expected one of {', '.join(GRAMMARS)}")
 
 
 class ExecTask:
@@ -230,11 +247,13 @@ class ExecTask:
 
     def __init__(self, name: str = "exec", test_fraction: float = 0.05, sizes: ExecSizes = ExecSizes()):
         self.name, self.test_fraction, self.sizes_ = name, float(test_fraction), sizes
-        self._seed_key = f"exec|{sizes.vars_}|{sizes.list_prob}|{sizes.max_iters}"
+        self._seed_key = f"exec|{sizes.vars_}|{sizes.list_prob}|{sizes.max_iters}" + (
+            f"|{sizes.grammar}" if sizes.grammar != "full" else "")
 
     def describe(self) -> dict:
         return {"name": self.name, "style": self.style, "variables": list(self.sizes_.vars_),
                 "iterations": {str(k): list(v) for k, v in ITERS.items()}, "list_probability": self.sizes_.list_prob,
+                "grammar": self.sizes_.grammar,
                 "distinct_states": DISTINCT,
                 "split": f"test iff SHA-256(program) falls in the lowest {self.test_fraction:g} of the hash range "
                          "(dblock/tasks/exec_task.py, ExecTask.split_of); evaluation uses the test split"}
@@ -252,7 +271,7 @@ class ExecTask:
     def capped(self, max_digits: int) -> "ExecTask":
         """The same grammar with loops of at most `max_digits` iterations (a curriculum stage: below the shortest
         loop, exactly `max_digits`)."""
-        s = ExecSizes(self.sizes_.vars_, self.sizes_.list_prob, int(max_digits))
+        s = ExecSizes(self.sizes_.vars_, self.sizes_.list_prob, int(max_digits), self.sizes_.grammar)
         return ExecTask(self.name, self.test_fraction, s)
 
     def split_of(self, prompt: str) -> str:
@@ -279,7 +298,7 @@ class ExecTask:
             iters = rng.randint(lo, hi)
             has_list = rng.random() < self.sizes_.list_prob
             for _ in range(64):
-                prog = draw_program(rng, n_vars, iters, has_list)
+                prog = draw_program(rng, n_vars, iters, has_list, self.sizes_.grammar)
                 if self.split_of(prog) != split:
                     continue
                 answer = run(prog)

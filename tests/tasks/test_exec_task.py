@@ -156,3 +156,19 @@ def test_the_interpreter_runs_nothing_outside_its_grammar(program, what, tmp_pat
     with pytest.raises(ValueError):
         get_task("exec").grade(program, "1")
     assert not os.listdir(tmp_path)
+
+
+def test_the_simpler_grammars_are_what_python_prints_and_a_bad_one_is_refused():
+    from dblock.tasks.exec_task import ExecSizes
+    copy = ExecTask(sizes=ExecSizes(grammar="copy"))
+    counter = ExecTask(sizes=ExecSizes(grammar="counter", list_prob=0.0)).capped(3)
+    for task in (copy, counter):
+        examples = task.examples("train", 6)
+        progs = "\n".join(f"exec({e.prompt!r})\nprint('---')" for e in examples)
+        assert _python_prints(progs).split("---\n")[:-1] == [e.answer for e in examples]
+    assert all("for" not in e.prompt and e.answer.count("\n") == 1 for e in copy.examples("test", 5))
+    lens = {len(e.prompt) for e in counter.examples("train", 20) if e.kind == "vars3"}
+    assert len(lens) == 1                                # one layout per size: every lookup at a fixed offset
+    assert copy._seed_key != ExecTask()._seed_key and copy.describe()["grammar"] == "copy"
+    with pytest.raises(ValueError, match="exec grammar 'loops'"):
+        ExecSizes(grammar="loops")

@@ -1,0 +1,170 @@
+"""How fast a model shape learns the exec task (or one of its simpler grammars): a short training run that prints,
+every few steps, the accuracy of each printed line's values on held-out programs -- the probe to run before
+committing hours of CPU to a recipe (docs/models.md, "The exec task").
+
+The run is `train-tiny`'s own step (batch, noise, loss, optimizer, expert-bias update: `dblock.tasks.train*`) on
+`ExecTask(sizes=ExecSizes(grammar=...))`, with the loop length capped by a schedule (`--cap 0:1,300:2`: one
+iteration from step 0, two from step 300). The evaluation is a cloze: for each line of a held-out answer, that
+line's values are masked and everything else is visible (with `--objective ar`, everything from that line on is
+masked), and the argmax at each masked value is compared with the reference -- per line (`line0` is the copied
+initial state, `line1` the first iteration, ...) and overall. Chance is 0.1.
+
+    .venv/bin/python benchmarks/exec_probe.py --grammar copy --steps 400              # a bare copy: learns
+    .venv/bin/python benchmarks/exec_probe.py --grammar full --cap 0:1,300:2 --steps 900
+
+Nothing is saved; one thread; never used by tests; no timing claim (the seconds printed are wall time).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def parse_cap(text: str) -> list:
+    """'0:1,300:2' -> [(0, 1), (300, 2)] (step, loop cap), sorted by step."""
+    out = []
+    for item in text.split(","):
+        step, cap = item.split(":")
+        out.append((int(step), int(cap)))
+    return sorted(out)
+
+
+def cap_at(schedule: list, step: int) -> int:
+    cap = schedule[0][1]
+    for s, c in schedule:
+        if step >= s:
+            cap = c
+    return cap
+
+
+def init_from_code_model(model, tok, name: str) -> None:
+    """Start from a bundled code model: every weight as it is, the embedding and LM-head rows of each character
+    taken from the code tokenizer's id of that character (its BPE has every single byte)."""
+    import dblock
+    from dblock.tasks.code_corpus import CodeTokenizer
+    src = dblock.load(name)
+    ct = CodeTokenizer.load(src.source)
+    sd = {k: v.float() for k, v in src.state_dict().items()}
+    ids = list(range(len(tok.vocab[:4]))) + [ct.encode(c)[0] for c in tok.vocab[4:]]
+    for k in ("embed.weight", "lm_head.weight"):
+        sd[k] = sd[k][ids]
+    model.load_state_dict(sd)
+
+
+def cloze(model, tok, task, n: int, ar: bool) -> dict:
+    """Value accuracy per answer line on `n` held-out programs (see the module docstring)."""
+    from dblock.tasks.bd3 import bd3_mask
+    from dblock.tasks.train_model import set_fused_attention
+    model.eval()
+    set_fused_attention(model, False)
+    hits = collections.defaultdict(lambda: [0, 0])
+    C = model.config.block_size
+    with torch.no_grad():
+        for e in task.examples("test", n):
+            p = tok.encode(e.prompt)
+            x0 = torch.tensor(p + tok.encode(e.answer) + [tok.eos_id])
+            L = -(-len(x0) // C) * C
+            x0 = torch.cat([x0, torch.full((L - len(x0),), tok.eos_id)])
+            rows, where, pos = [], [], len(p)
+            for k, line in enumerate(e.answer.split("\n")[:-1]):
+                vals = [pos + 2 * j for j in range(len(line.split()))]
+                xt = x0.clone()
+                xt[vals] = tok.mask_id
+                if ar:
+                    xt[pos:] = tok.mask_id
+                rows.append(torch.cat([xt, x0]))
+                where.append((k, vals))
+                pos += len(line) + 1
+            X = torch.stack(rows)
+            B = X.shape[0]
+            mask = bd3_mask(L, 1 if ar else C)[None].expand(B, 2 * L, 2 * L)
+            h, _ = model(X, torch.arange(L).repeat(2)[None].expand(B, 2 * L), mask)
+            for b, (k, vals) in enumerate(where):
+                pred = model.logits(h[b, vals]).argmax(-1)
+                for j, v in enumerate(vals):
+                    ok = int(pred[j] == x0[v])
+                    for key in (f"line{min(k, 3)}", "all"):
+                        hits[key][0] += ok
+                        hits[key][1] += 1
+    model.train()
+    set_fused_attention(model, True)
+    return {k: round(x / y, 3) for k, (x, y) in sorted(hits.items())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grammar", default="full", help="full | counter | copy (dblock/tasks/exec_task.py GRAMMARS)")
+    ap.add_argument("--vars", default="2,3", help="numbers of variables drawn (default 2,3)")
+    ap.add_argument("--list", type=float, default=0.35, help="probability of the list L (default 0.35)")
+    ap.add_argument("--cap", default="0:1", help="loop-length cap schedule STEP:CAP,... (default 0:1)")
+    ap.add_argument("--size", default="code", help="train-tiny size (default code)")
+    ap.add_argument("--init", default="", help="start from a bundled code model (e.g. code-masked)")
+    ap.add_argument("--objective", choices=("diffusion", "ar"), default="diffusion",
+                    help="diffusion: train-tiny's BD3 loss at block 32; ar: block 1, unweighted cross-entropy")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--every", type=int, default=100, help="evaluate every this many steps")
+    ap.add_argument("--eval-n", type=int, default=32, help="held-out programs per evaluation")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+
+    import torch.nn.functional as F
+    from dblock.tasks.bd3 import bd3_mask
+    from dblock.tasks.exec_task import ExecSizes, ExecTask, exec_tokenizer
+    from dblock.tasks.train import lr_at, make_optimizer
+    from dblock.tasks.train_config import TrainConfig
+    from dblock.tasks.train_data import add_noise, batch_for_step
+    from dblock.tasks.train_loss import diffusion_loss, expert_loads, update_expert_bias
+    from dblock.tasks.train_model import build_model
+
+    base = ExecTask(sizes=ExecSizes(tuple(int(x) for x in a.vars.split(",")), a.list, None, a.grammar))
+    schedule = parse_cap(a.cap)
+    cfg = TrainConfig(size=a.size, task="exec", block_size=32, batch_size=a.batch, fused_attention=True,
+                      out=os.devnull, lr=a.lr, warmup=100, steps=a.steps)
+    tok = exec_tokenizer()
+    model = build_model(cfg, tok)
+    if a.init:
+        init_from_code_model(model, tok, a.init)
+    opt = make_optimizer(model, cfg)
+    print(f"{sum(p.numel() for p in model.parameters())} parameters; grammar {a.grammar}, cap {a.cap}, "
+          f"objective {a.objective}, lr {a.lr}, batch {a.batch}" + (f", init {a.init}" if a.init else ""), flush=True)
+    t0, losses = time.time(), []
+    for step in range(a.steps):
+        task = base.capped(cap_at(schedule, step))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg, a.steps)
+        x0, prompt = batch_for_step(task, tok, cfg, step)
+        xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps,
+                                  torch.Generator().manual_seed(step))
+        taps: dict = {}
+        if a.objective == "ar":
+            B, L = x0.shape
+            h, _ = model(torch.cat([xt, x0], 1), torch.arange(L).repeat(2)[None].expand(B, 2 * L),
+                         bd3_mask(L, 1)[None].expand(B, 2 * L, 2 * L), taps=taps)
+            loss = F.cross_entropy(model.logits(h[:, :L][masked]), x0[masked])
+        else:
+            loss, _ = diffusion_loss(model, x0, xt, masked, p, prompt, taps)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        update_expert_bias(model, expert_loads(model, taps), cfg.bias_update)
+        losses.append(float(loss.detach()))
+        if (step + 1) % a.every == 0:
+            acc = cloze(model, tok, task, a.eval_n, a.objective == "ar")
+            print(f"step {step + 1}  {time.time() - t0:.0f} s  loss {sum(losses[-a.every:]) / a.every:.3f}  "
+                  f"cap {cap_at(schedule, step)}  value accuracy {acc}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
