@@ -4,10 +4,11 @@ committing hours of CPU to a recipe (docs/models.md, "The exec task").
 
 The run is `train-tiny`'s own step (batch, noise, loss, optimizer, expert-bias update: `dblock.tasks.train*`) on
 `ExecTask(sizes=ExecSizes(grammar=...))`, with the loop length capped by a schedule (`--cap 0:1,300:2`: one
-iteration from step 0, two from step 300). The evaluation is a cloze: for each line of a held-out answer, that
-line's values are masked and everything else is visible (with `--objective ar`, everything from that line on is
-masked), and the argmax at each masked value is compared with the reference -- per line (`line0` is the copied
-initial state, `line1` the first iteration, ...) and overall. Chance is 0.1.
+iteration from step 0, two from step 300; `--cap 0:0:copy,1000:1:full` starts on the copy grammar). The evaluation
+is a cloze: for each line of a held-out answer, that line's values are masked and everything else is visible (with
+`--objective ar`, everything from that line on is masked), and the argmax at each masked value is compared with the
+reference -- per line (`line0` is the copied initial state, `line1` the first iteration, ...) and overall. Chance
+is 0.1.
 
     .venv/bin/python benchmarks/exec_probe.py --grammar copy --steps 400              # a bare copy: learns
     .venv/bin/python benchmarks/exec_probe.py --grammar full --cap 0:1,300:2 --steps 900
@@ -28,21 +29,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def parse_cap(text: str) -> list:
-    """'0:1,300:2' -> [(0, 1), (300, 2)] (step, loop cap), sorted by step."""
+def parse_cap(text: str, grammar: str) -> list:
+    """'0:1,300:2' -> [(0, 1, grammar), (300, 2, grammar)] (step, loop cap, grammar), sorted by step; an item
+    STEP:CAP:GRAMMAR switches the grammar too ('0:0:copy,1000:1:full')."""
     out = []
     for item in text.split(","):
-        step, cap = item.split(":")
-        out.append((int(step), int(cap)))
+        step, cap, *g = item.split(":")
+        out.append((int(step), int(cap), g[0] if g else grammar))
     return sorted(out)
 
 
-def cap_at(schedule: list, step: int) -> int:
-    cap = schedule[0][1]
-    for s, c in schedule:
+def stage_at(schedule: list, step: int) -> tuple:
+    """(loop cap, grammar) of `step`."""
+    stage = schedule[0][1:]
+    for s, c, g in schedule:
         if step >= s:
-            cap = c
-    return cap
+            stage = (c, g)
+    return stage
 
 
 def init_from_code_model(model, tok, name: str) -> None:
@@ -104,7 +107,8 @@ def main() -> int:
     ap.add_argument("--grammar", default="full", help="full | counter | copy (dblock/tasks/exec_task.py GRAMMARS)")
     ap.add_argument("--vars", default="2,3", help="numbers of variables drawn (default 2,3)")
     ap.add_argument("--list", type=float, default=0.35, help="probability of the list L (default 0.35)")
-    ap.add_argument("--cap", default="0:1", help="loop-length cap schedule STEP:CAP,... (default 0:1)")
+    ap.add_argument("--cap", default="0:1",
+                    help="loop-length cap schedule STEP:CAP[:GRAMMAR],... (default 0:1, in --grammar)")
     ap.add_argument("--size", default="code", help="train-tiny size (default code)")
     ap.add_argument("--init", default="", help="start from a bundled code model (e.g. code-masked)")
     ap.add_argument("--objective", choices=("diffusion", "ar"), default="diffusion",
@@ -126,8 +130,9 @@ def main() -> int:
     from dblock.tasks.train_loss import diffusion_loss, expert_loads, update_expert_bias
     from dblock.tasks.train_model import build_model
 
-    base = ExecTask(sizes=ExecSizes(tuple(int(x) for x in a.vars.split(",")), a.list, None, a.grammar))
-    schedule = parse_cap(a.cap)
+    schedule = parse_cap(a.cap, a.grammar)
+    bases = {g: ExecTask(sizes=ExecSizes(tuple(int(x) for x in a.vars.split(",")), a.list, None, g))
+             for g in {g for _, _, g in schedule}}
     cfg = TrainConfig(size=a.size, task="exec", block_size=32, batch_size=a.batch, fused_attention=True,
                       out=os.devnull, lr=a.lr, warmup=100, steps=a.steps)
     tok = exec_tokenizer()
@@ -139,7 +144,8 @@ def main() -> int:
           f"objective {a.objective}, lr {a.lr}, batch {a.batch}" + (f", init {a.init}" if a.init else ""), flush=True)
     t0, losses = time.time(), []
     for step in range(a.steps):
-        task = base.capped(cap_at(schedule, step))
+        cap, grammar = stage_at(schedule, step)
+        task = bases[grammar].capped(cap)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg, a.steps)
         x0, prompt = batch_for_step(task, tok, cfg, step)
@@ -162,7 +168,7 @@ def main() -> int:
         if (step + 1) % a.every == 0:
             acc = cloze(model, tok, task, a.eval_n, a.objective == "ar")
             print(f"step {step + 1}  {time.time() - t0:.0f} s  loss {sum(losses[-a.every:]) / a.every:.3f}  "
-                  f"cap {cap_at(schedule, step)}  value accuracy {acc}", flush=True)
+                  f"{grammar} cap {cap}  value accuracy {acc}", flush=True)
     return 0
 
 
