@@ -1,7 +1,6 @@
 """The equivalence suite (docs/algorithms.md §5): differential testing of the optimized executor against the reference.
+The decision margins it checks against (Γ, Γ*) are pure math beside the step rules, in `dblock.decoding.margins`.
 
-  margins.py     decision margins Γ (sufficient) and Γ* (exact, tight) for the threshold and fixed-k rules; the
-                 entropy-bound rule's decision check under shared randomness
   shadow.py      `ShadowForward`: teacher-forced comparison at every pass on identical inputs
   audit.py       `AuditedEpochExecutor`: the Epoch executor's named steps wrapped to record the audit records and
                  taps the checks read (the production executor carries none of it)
