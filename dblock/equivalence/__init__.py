@@ -10,5 +10,5 @@ The decision margins it checks against (Γ, Γ*) are pure math beside the step r
   staleness.py   the staleness curve (cosine of cached vs fresh routed outputs by age, decoded vs live rows)
   degenerate.py  exact degenerate settings: full_compute ≡ reference, paired-block proposition, world-size
   report.py      the `dblock verify` report, its text rendering and the exit-status rules
-  verify.py      `run_verify`, the library entry behind `dblock verify` (cli.py)
+  verify.py      `run_verify`, the library entry behind `dblock verify` (dblock/cli/equivalence.py)
 """
