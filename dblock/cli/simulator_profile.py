@@ -142,8 +142,8 @@ def _refuse_with_published(args, defaults: dict) -> None:
 
 
 def _published_default() -> str:
-    import os
-    return os.path.join(os.path.dirname(__file__), "data", "published_gpu.json")
+    from dblock.simulator.published import DATA_PATH
+    return DATA_PATH
 
 
 def _calibrate(args) -> int:
