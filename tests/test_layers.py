@@ -11,10 +11,15 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+
+if sys.version_info < (3, 11):
+    pytest.skip("import-linter 2.17 (the test extra installs it from Python 3.11 on) and tomllib need Python >= 3.11",
+                allow_module_level=True)
+
+import tomllib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "dblock"
