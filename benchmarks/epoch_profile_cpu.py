@@ -28,10 +28,11 @@ def main(argv=None) -> None:
     from dblock.decoding.generate import reference_forward
     from dblock.decoding.params import DecodeConfig
     from dblock.optimized.executor import epoch_forward
-    from dblock.simulator import batch, measure
+    from dblock.simulator import batch
+    from dblock.profiling import measure
     from dblock.simulator.profile import QUANTILES, Profile, ProfiledCost
-    from dblock.simulator.profiler import drift
-    from dblock.simulator.validate import Plan, plan_task, task_max_new
+    from dblock.profiling.profiler import drift
+    from dblock.profiling.validate import Plan, plan_task, task_max_new
     from dblock.tasks import get_task
     from dblock.tasks.card import decoding_of
     from dblock.tasks.evaluate import TokenizerAdapter

@@ -62,7 +62,7 @@ def workload(path: str):
 
 
 def plan(args):
-    from dblock.simulator.cli_profile import _profile_path
+    from dblock.cli.simulator_profile import _profile_path
     from dblock.simulator.plan_profiled import plan_profiled, serve
     from dblock.simulator.profile import Profile, ProfiledCost
     path = args.profile or _profile_path(args.model)
@@ -117,7 +117,7 @@ def plan(args):
     elif args.drift != "none":
         # the profile is thread-CPU time on a quiet core; the server runs on the wall clock of this machine now
         import dblock
-        from dblock.simulator.profiler import drift
+        from dblock.profiling.profiler import drift
         dr = drift(prof, dblock.load(args.model), timer=time.perf_counter if args.drift == "wall" else time.thread_time)
         scale = dr["factor"]
         print(f"drift ({args.drift} clock) x{scale:.3f}", file=sys.stderr)

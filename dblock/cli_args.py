@@ -1,7 +1,7 @@
 """The argparse side every `dblock` command shares: the parser with one-line errors, the numeric flag types with
 their ranges, and the option groups (`--model`, the decoding flags, the executor flags).
 
-`dblock.cli` builds the command tree; each room's cli module (`dblock/<room>/cli.py`) imports its option groups from
+`dblock.cli` builds the command tree; each room's command module (`dblock/cli/<room>.py`) imports its option groups from
 here, never from `dblock.cli`, so the tree has no import cycle. Nothing heavy at import (argparse, math, os and sys
 only): `dblock --help` and `dblock <command> --help` import no torch.
 
@@ -11,7 +11,7 @@ naming the flag, the value and the range (`ArgumentParser.error` prints `dblock:
 
 What the parsed flags become lives next to what they serve, each module as light at import as this one: the
 decoding flags as a `DecodeConfig` and a schedule, checked against the model's config.json before the weights are
-read (`dblock.decoding.flags`); `--model`, `--device`, `--dtype` and the executor flags as a config, a loaded model
+read (`dblock.decode_flags`); `--model`, `--device`, `--dtype` and the executor flags as a config, a loaded model
 and a Forward (`dblock.model_flags`); text prompts as token ids (`dblock.prompts`); output paths checked before any
 work (`dblock.out_paths`); which torchrun rank prints (`dblock.ranks`).
 
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 
 #: seeds (--seed, --seeds) are torch generator seeds: a signed 64-bit integer, as the serving API's `seed`
 MAX_SEED = 2 ** 63 - 1
@@ -90,7 +92,7 @@ class FlagRule:
     completes "applies only ..." (`with --executor epoch (the reference executor has no LSP)`); `active(args, ctx)`:
     whether that mode is on for these parsed arguments. `stage` "parse" rules are checked by `dblock.cli.main` right
     after parsing, before anything runs; rules whose mode depends on the model (its family, the step rule it
-    decodes with) are checked where that is known, with what is known as `ctx` (`dblock.decoding.flags`:
+    decodes with) are checked where that is known, with what is known as `ctx` (`dblock.decode_flags`:
     `stage="decode"`, ctx `family`, `rule`, `sampling`). A given option whose mode is off is a `ConfigError`
     naming it: it would do nothing. Commands attach their rules with `add_flag_rules`; tests/cli/test_flag_rules.py
     walks every command's parser and gives each such option without its mode."""
@@ -418,7 +420,7 @@ def _schedule_names(a) -> list:
 
 
 #: the decoding flags that act in one mode only: the step rule (known once the model's family is: stage "decode",
-#: checked by `dblock.decoding.flags.decode_config` with ctx family, rule and sampling = the masked sampling
+#: checked by `dblock.decode_flags.decode_config` with ctx family, rule and sampling = the masked sampling
 #: temperature) and the schedule
 DECODE_RULES = (
     FlagRule(("--threshold", "--max-steps", "--threshold-inclusive", "--threshold-steps"),
@@ -538,3 +540,12 @@ EXECUTOR_RULES = (
     FlagRule("--ep-dispatch", "with --ep N or under torchrun (one process has nothing to dispatch)",
              lambda a, c: a.ep is not None or _under_torchrun()),
 )
+
+
+def show_progress(args=None) -> bool:
+    """Progress bars on stderr: never with --json; `DBLOCK_PROGRESS=1` / `0` forces them on / off; otherwise only
+    when stderr is a terminal (so a captured stderr holds nothing but the one-line error, should the command fail)."""
+    if args is not None and getattr(args, "json", False):
+        return False
+    env = os.environ.get("DBLOCK_PROGRESS")
+    return env == "1" or (env != "0" and sys.stderr.isatty())

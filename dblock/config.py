@@ -2,7 +2,7 @@
 
 `ModelConfig` is the subset of a Hugging Face `config.json` that the executors need, read for the two LLaDA
 families (`llada2_moe` = LLaDA2.0-mini/flash, `llada_moe` = LLaDA-MoE-7B-A1B; its repo says `llada`, some copies
-`lladamoe`). DiffusionGemma has its own nested config (`GemmaConfig`, in `dblock.reference.gemma_config`), read
+`lladamoe`). DiffusionGemma has its own nested config (`GemmaConfig`, in `dblock.gemma_config`), read
 through the same `load_config` entry point. Config only: reading a config imports neither torch nor a model (the
 families themselves are declared in dblock/families.py).
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from dblock import validate
 from dblock.errors import ConfigError
-from dblock.reference.gemma_config import GemmaConfig
+from dblock.gemma_config import GemmaConfig
 from dblock.validate import (BOOL, BOOL_OPT, EPS_OPT, FRACTION, FRACTION_OPT, IDS_OPT, NONNEG, NONNEG_OPT,
                              OBJECT_OPT, POS, POS_OPT, POSITIVE_REAL, POSITIVE_REAL_OPT, STR, Field)
 

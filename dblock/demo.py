@@ -6,7 +6,7 @@ compact table: model × executor × schedule → accuracy (code: also token accu
 the TPS ratio over the reference dense Native row of the same model, **predicted and measured side by side**:
 
 * measured: every row decodes the same problems `repeats` times, interleaved with the other rows of its model, timed
-  in thread-CPU time (`dblock/simulator/measure.py`); the TPS ratio is the median of the per-repeat ratios and its
+  in thread-CPU time (`dblock/profiling/measure.py`); the TPS ratio is the median of the per-repeat ratios and its
   noise band their min..max. The verdict is "pays" / "does not pay" only when the whole band is on one side of 1,
   else "within noise" — so it never contradicts the measurement beside it.
 * predicted (docs/counters.md, "TPS ratio"): TPS ratio = (n̄/n)·ρ/(r·β), with r the schedule's (or executor's)
@@ -89,7 +89,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
     from dblock.decoding.params import DecodeConfig
     from dblock.decoding.generate import reference_forward
     from dblock.optimized.executor import epoch_forward
-    from dblock.simulator import measure
+    from dblock.profiling import measure
     from dblock.tasks import get_task
     from dblock.tasks.card import decoding_of, task_of
     from dblock.tasks.evaluate import TokenizerAdapter, prompts_and_grader
@@ -100,7 +100,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
     rows = []
     names = [m for m in dict.fromkeys(p[0] for p in PLAN) if m in bundled]
     # one step per decoding run; on stderr, shown on a terminal (or with DBLOCK_PROGRESS=1), never in --json output
-    from dblock.simulator.cli_common import show_progress
+    from dblock.cli_args import show_progress
     show = show_progress()
     bar = tqdm(total=repeats * sum(p[0] in names for p in PLAN), desc="demo", unit="run", file=sys.stderr,
                disable=not show, leave=False)
@@ -181,7 +181,7 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
             if model.config.family == "llada2_moe" else None)
     wl, scale = None, 1.0
     if prof is not None:
-        from dblock.simulator.profiler import drift
+        from dblock.profiling.profiler import drift
         scale = drift(prof, model)["factor"]      # the machine's speed now against at profiling (anchors)
         b = base["_run"]
         wl = batch.Workload.from_runs(b["prompt_lens"], b.get("max_new_tokens", 128), b["blocks"],
@@ -279,7 +279,7 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
 
 
 def _verdict(lo: float, hi: float) -> str:
-    from dblock.simulator.measure import verdict
+    from dblock.profiling.measure import verdict
     return verdict(lo, hi)
 
 
@@ -289,7 +289,7 @@ def _profile_for(name: str, model, path: str | None, quiet: bool, max_requests: 
     The demo's quick profile has its own file (`NAME-demo-...json`), so `simulate validate` never prices larger
     batches with it."""
     from dblock.simulator.profile import Profile, default_path
-    from dblock.simulator.profiler import Profiler, code_fingerprint, machine_tag
+    from dblock.profiling.profiler import Profiler, code_fingerprint, machine_tag
     p = path or default_path(name, machine_tag())
     why = "no operator profile of {name} on this machine yet"
     candidates = [p] if path else [p, default_path(f"{name}-demo", machine_tag())]
@@ -307,7 +307,7 @@ def _profile_for(name: str, model, path: str | None, quiet: bool, max_requests: 
     out = candidates[-1]
     print(f"demo: {why.format(name=name)}: measuring a quick one (about 40 s; "
           f"`dblock simulate profile --model {name}` measures the full one) -> {out}", file=sys.stderr)
-    from dblock.simulator.profiler import QUICK
+    from dblock.profiling.profiler import QUICK
     knobs = dict(QUICK, repeats=2)             # the demo's own: two repeats (its rows repeat three times anyway)
     if max_requests:
         knobs["max_requests"] = max(1, min(QUICK["max_requests"], max_requests))

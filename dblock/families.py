@@ -23,7 +23,7 @@ from dblock.forward import Forward
 from dblock.reference import gemma_tiny, gemma_weights, llada_tiny, llada_weights
 from dblock.reference.executor import LladaReference
 from dblock.reference.gemma import GemmaModel
-from dblock.reference.gemma_config import GemmaConfig
+from dblock.gemma_config import GemmaConfig
 from dblock.reference.gemma_executor import GemmaReference
 from dblock.reference.llada import LladaModel
 

@@ -1,5 +1,5 @@
 """The one validation layer for model configs, shared by every family (dblock/config.py,
-dblock/reference/gemma_config.py).
+dblock/gemma_config.py).
 
 Each family declares its keys once as `Field`s (type, range, null allowed); `check_keys` applies them to the raw
 config.json values (naming the key as the file spells it) and `check_fields` to the config object's fields (for

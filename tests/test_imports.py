@@ -198,7 +198,7 @@ def test_import_resolution():
     mods = module_files()
     edges = import_edges(mods)
     assert "dblock.cli_args" in edges["dblock.cli"]                          # from dblock.cli_args import ...
-    assert "dblock.serving.cli" in edges["dblock.cli"]                       # from dblock.serving import cli
+    assert "dblock.cli.serving" in edges["dblock.cli"]                       # from dblock.cli import serving
     assert "dblock.tasks.arith" in edges["dblock.tasks"]                     # from .arith import ... (in __init__)
 
 

@@ -3,7 +3,7 @@
 The schedule knows what a block's next step will decide (its rule, τ, LLaDA2.0's quota of this pass, fixed-k's k,
 whether this is the commit-all pass); the executor knows only logits. `DecisionSpec` carries the first to the
 second on the `Segment` (`Segment.decision`), as data; `block_radius` turns a spec and the row quantities of
-`dblock.equivalence.margins.row_stats` into the block's exact decision radius: min over its live rows of Γ*
+`dblock.decoding.margins.row_stats` into the block's exact decision radius: min over its live rows of Γ*
 (`threshold_margin_rows` / `fixed_k_margin_rows`, docs/algorithms.md §5). Any logits within that ∞-norm distance of
 the given ones (strictly) take the same decision — the same commit set and the same committed tokens — so an
 executor whose logits ẑ are known to lie within δ of the exact ones z may keep ẑ whenever the radius *at ẑ* exceeds δ
@@ -96,7 +96,7 @@ def decision_rows(logits: torch.Tensor, mask_id: Optional[int], spec: Optional[D
 def block_radius(spec: Optional[DecisionSpec], stats) -> float:
     """min Γ* over the block's live rows under `spec`, from `margins.row_stats` of its decision logits; ∞ when the
     step decides nothing, 0 when no closed form applies (`spec` None or opaque)."""
-    from dblock.equivalence.margins import fixed_k_margin_rows, threshold_margin_rows
+    from dblock.decoding.margins import fixed_k_margin_rows, threshold_margin_rows
     tok, gap, logp, logit = stats
     if spec is None or spec.kind == "opaque":
         return 0.0

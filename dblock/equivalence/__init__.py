@@ -1,7 +1,6 @@
 """The equivalence suite (docs/algorithms.md §5): differential testing of the optimized executor against the reference.
+The decision margins it checks against (Γ, Γ*) are pure math beside the step rules, in `dblock.decoding.margins`.
 
-  margins.py     decision margins Γ (sufficient) and Γ* (exact, tight) for the threshold and fixed-k rules; the
-                 entropy-bound rule's decision check under shared randomness
   shadow.py      `ShadowForward`: teacher-forced comparison at every pass on identical inputs
   audit.py       `AuditedEpochExecutor`: the Epoch executor's named steps wrapped to record the audit records and
                  taps the checks read (the production executor carries none of it)
@@ -11,5 +10,5 @@
   staleness.py   the staleness curve (cosine of cached vs fresh routed outputs by age, decoded vs live rows)
   degenerate.py  exact degenerate settings: full_compute ≡ reference, paired-block proposition, world-size
   report.py      the `dblock verify` report, its text rendering and the exit-status rules
-  verify.py      `run_verify`, the library entry behind `dblock verify` (cli.py)
+  verify.py      `run_verify`, the library entry behind `dblock verify` (dblock/cli/equivalence.py)
 """

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from dblock.equivalence import invariants as inv
-from dblock.equivalence.margins import (delta_inf, entropy_bound_check, fixed_k_margin, masked64,
+from dblock.decoding.margins import (delta_inf, entropy_bound_check, fixed_k_margin, masked64,
                                         threshold_margin)
 from dblock.forward import Forward, StepInput
 from dblock.decoding.samplers import last_pass, transfer_schedule

@@ -30,7 +30,7 @@ The stage seam (`dblock.optimized.stages.TorchStages`: route / experts / attend 
 where the Triton stack swaps in. The production executor carries no test instrumentation and does not import the
 equivalence suite's checks: the suite's audit records and its deliberate faults subclass these steps from outside
 (`dblock.equivalence.audit`, `dblock.equivalence.faults`); the margin gate borrows only the suite's pure margin
-functions (`dblock.equivalence.margins.row_stats`, and the per-block radii through `dblock.decoding.radius`),
+functions (`dblock.decoding.margins.row_stats`, and the per-block radii through `dblock.decoding.radius`),
 and only when it is on.
 
 Configurations (docs/algorithms.md §4.5): epoch (all on), full_compute (all experts, M_C = 1: exact), no_atlas,
@@ -327,7 +327,7 @@ class EpochExecutor(MoeSteps, Forward):
         the request's whole call through the full_compute executor (every row fresh, every expert eligible: the
         reference's logits) and return those. δ = 0 never refreshes; δ = ∞ refreshes every approximate request."""
         from dblock.decoding.radius import block_radius, decision_rows
-        from dblock.equivalence.margins import row_stats
+        from dblock.decoding.margins import row_stats
         delta = self.ecfg.margin_refresh
         g = self.gate
         approx_P = R.approx.tolist()

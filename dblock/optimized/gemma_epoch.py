@@ -53,7 +53,7 @@ from dblock.optimized.freshlane import CommStats
 from dblock.optimized.plan import EpochConfig
 from dblock.optimized.rows import LayerCall
 from dblock.optimized.gemma_stages import GemmaStages
-from dblock.reference.gemma_config import SLIDING
+from dblock.gemma_config import SLIDING
 from dblock.reference.gemma_executor import (GemmaBatch, GemmaReference, append_to_caches, build_batch, layer_mask,
                                              stack_past)
 

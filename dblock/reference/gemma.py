@@ -28,7 +28,7 @@ Embedding x sqrt(H) (rounded to the weight dtype, as transformers does); final R
 Self-conditioning (decoder only): soft = softmax(prev_logits) @ E * sqrt(H) (zeros on a block's first step);
 x_in = post_norm_noscale(embed(canvas) + down(gelu_tanh(gate(pre_norm(soft))) * up(pre_norm(soft)))).
 
-Its config is `dblock.reference.gemma_config`, its executor `dblock.reference.gemma_executor`, its weight names
+Its config is `dblock.gemma_config`, its executor `dblock.reference.gemma_executor`, its weight names
 `dblock.reference.gemma_weights`.
 
 Not implemented, refused with clear errors: image inputs (the image placeholder id in a prompt, pixel_values),
@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dblock.reference.gemma_config import SLIDING, GemmaConfig, rope_spec
+from dblock.gemma_config import SLIDING, GemmaConfig, rope_spec
 
 
 class RMSNorm(nn.Module):

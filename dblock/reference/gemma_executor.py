@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from dblock.forward import Forward, StepInput
 from dblock.reference.gemma import GemmaCache, GemmaModel
-from dblock.reference.gemma_config import SLIDING
+from dblock.gemma_config import SLIDING
 
 
 @dataclass

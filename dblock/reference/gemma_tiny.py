@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from dblock.reference.gemma import GemmaModel
-from dblock.reference.gemma_config import FULL, SLIDING, TINY_VISION, GemmaConfig
+from dblock.gemma_config import FULL, SLIDING, TINY_VISION, GemmaConfig
 
 
 def tiny_vision_weights(cfg: GemmaConfig, g: torch.Generator) -> dict:

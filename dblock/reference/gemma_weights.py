@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from dblock.reference.gemma_config import GemmaConfig
+from dblock.gemma_config import GemmaConfig
 from dblock.reference.slots import Slot
 
 DEC = "model.decoder."

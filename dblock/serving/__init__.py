@@ -25,9 +25,8 @@ generator.
       launcher.py              sockets, uvicorn, signal drain, `run_server`, `ServerThread` for tests
     metrics.py   prometheus_client registry per server: vLLM's series names plus the diffusion ones.
     loadgen.py   open-loop Poisson / replayed arrivals, TTFT, equivalent ITL per block commit, P50/P95/P99, plots.
-    cli.py       `dblock serve`, `dblock loadgen`.
 
-Only `engine` is exported here (imported on first use); the server needs the `serve` extra (fastapi, uvicorn,
+Its commands (`dblock serve`, `dblock loadgen`) are dblock/cli/serving.py. Only `engine` is exported here (imported on first use); the server needs the `serve` extra (fastapi, uvicorn,
 httpx, pydantic, prometheus_client, jinja2).
 """
 

@@ -12,9 +12,9 @@ import json
 import re
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_serializer
 from pydantic_core import PydanticCustomError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -175,6 +175,18 @@ def _f(default, description: str, **kw):
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def unsupported(field: str, message: Union[str, Callable[[Any], str]], refused: Callable[[Any], bool] = bool):
+    """The validator of a field that asks for something this server does not do (logprobs, echo, tools, ...): a
+    value `refused` holds for (by default any truthy value) is an `unsupported_value` error with `message` (or
+    `message(value)`); any other value passes unchanged. Assign it in the body's class, one name per field."""
+    def check(cls, v):
+        if refused(v):
+            raise _fail("unsupported_value", message(v) if callable(message) else message)
+        return v
+    check.__name__ = f"_{field}"
+    return field_validator(field)(classmethod(check))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from dblock.serving.protocol_base import UsageInfo, _Body, _Out, _f, _fail, _short
+from dblock.serving.protocol_base import UsageInfo, _Body, _Out, _f, _fail, _short, unsupported
 from dblock.serving.protocol_sampling import _Sampling
 
 
@@ -88,40 +88,14 @@ class ChatCompletionRequest(_ChatRender, _Sampling):
     def _max_tokens(cls, v, info: ValidationInfo):
         return cls._check_max(v, info)
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise _fail("unsupported_value", "logprobs are not supported, got true")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v):
-        if v:
-            raise _fail("unsupported_value", f"logprobs are not supported, got {v}")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        if v:
-            raise _fail("unsupported_value", "tool calling is not supported")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v):
-        if v not in (None, "none", "auto"):
-            raise _fail("unsupported_value", f"tool calling is not supported, got {_short(v)}")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise _fail("unsupported_value", f"only {{\"type\": \"text\"}} is supported, got {_short(v)}")
-        return v
+    _logprobs = unsupported("logprobs", "logprobs are not supported, got true")
+    _top_logprobs = unsupported("top_logprobs", lambda v: f"logprobs are not supported, got {v}")
+    _tools = unsupported("tools", "tool calling is not supported")
+    _tool_choice = unsupported("tool_choice", lambda v: f"tool calling is not supported, got {_short(v)}",
+                               refused=lambda v: v not in (None, "none", "auto"))
+    _response_format = unsupported(
+        "response_format", lambda v: f"only {{\"type\": \"text\"}} is supported, got {_short(v)}",
+        refused=lambda v: v is not None and v.get("type", "text") != "text")
 
     @property
     def budget(self) -> Optional[int]:

@@ -7,7 +7,8 @@ from typing import Any, ClassVar, Optional
 
 from pydantic import PrivateAttr, ValidationInfo, field_validator
 
-from dblock.serving.protocol_base import Limits, UsageInfo, _Out, _context, _f, _fail, _is_int, _short, parse
+from dblock.serving.protocol_base import (Limits, UsageInfo, _Out, _context, _f, _fail, _is_int, _short, parse,
+                                          unsupported)
 from dblock.serving.protocol_prompt import encode
 from dblock.serving.protocol_sampling import _Sampling
 
@@ -28,33 +29,12 @@ class CompletionRequest(_Sampling):
     def _max_tokens(cls, v, info: ValidationInfo):
         return cls._check_max(v, info)
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v is not None and v != 1:
-            raise _fail("unsupported_value", f"only best_of = 1 is supported, got {v}")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v):
-        if v:
-            raise _fail("unsupported_value", "echo is not supported, got true")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise _fail("unsupported_value", f"logprobs are not supported, got {v}")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v is not None:
-            raise _fail("unsupported_value", f"suffix is not supported, got {_short(v)}")
-        return v
+    _best_of = unsupported("best_of", lambda v: f"only best_of = 1 is supported, got {v}",
+                           refused=lambda v: v is not None and v != 1)
+    _echo = unsupported("echo", "echo is not supported, got true")
+    _logprobs = unsupported("logprobs", lambda v: f"logprobs are not supported, got {v}")
+    _suffix = unsupported("suffix", lambda v: f"suffix is not supported, got {_short(v)}",
+                          refused=lambda v: v is not None)
 
     @field_validator("prompt")
     @classmethod

@@ -12,10 +12,11 @@ papers.py     the model against the One Block Ahead and Epoch papers
 profile.py    the operator profile of a machine: tables, monotone interpolation, pricing a call (CallShape)
 batch.py      SimPy model of the shared driver (closed batches and serving), priced call by call; decompose
 fingerprint.py  what a profile was measured on: the machine tag, the fingerprint of the executors' source
-cli.py        `dblock simulate ...` (one module per subcommand group: cli_oba.py, cli_roofline.py, cli_profile.py;
-              cli_common.py their shared flag parsing and output)
+plan.py       the cheapest deployment meeting P95 ITL / TTFT objectives; plan_profiled.py prices it with a profile
+gpufit.py     the GPU cost model's terms fitted on published measurements (published.py: the data's schema)
 
-The measuring side — profiler.py (`simulate profile`), measure.py (thread-CPU timing, r on the same rows, serving
-on a CPU-time clock) and validate.py (`simulate validate`) — loads models and executors; every other module imports
-only dblock.config, dblock.trace and scientific libraries, never a model or an executor.
+Every module imports only dblock.config, dblock.trace, the decoding defaults it simulates and scientific
+libraries, never a model or an executor (pyproject.toml's import-linter contracts hold it). The measuring side,
+which loads models and runs executors (`simulate profile`, `simulate validate`, thread-CPU timing), is
+dblock/profiling/; the commands are dblock/cli/simulator.py.
 """

@@ -14,7 +14,7 @@ def machine_tag() -> str:
 #: the packages whose code a profile times: a change there (an executor made faster) makes a profile stale
 CODE_PACKAGES = ("reference", "optimized", "decoding", "kernels")
 #: and the measuring method whose change makes the old tables wrong (the Epoch MoE table from real decode passes)
-METHOD_FILES = ("simulator/profiler_epoch.py",)
+METHOD_FILES = ("profiling/profiler_epoch.py",)
 
 
 def code_fingerprint() -> str:

@@ -93,7 +93,7 @@ def itl_vs_rate(curves: dict, path: str, slo: float | None = None):
     plt.close(fig)
 
 
-# ---- compare-schedules (measured rows, dblock/decoding/compare.py) -------------------------------------------
+# ---- compare-schedules (measured rows, dblock/profiling/compare.py) -------------------------------------------
 
 def _figure(**kw):
     """A figure outside pyplot: no backend is chosen or changed (a notebook keeps its own; a PNG is written by

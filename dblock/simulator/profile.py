@@ -1,6 +1,6 @@
 """Profiled operator cost model: what each operator of a pass costs on one machine, measured, then interpolated.
 
-`dblock simulate profile` (dblock/simulator/profiler.py) times every operator of a pass of one model on this
+`dblock simulate profile` (dblock/profiling/profiler.py) times every operator of a pass of one model on this
 machine over a grid of shapes, each grid point `repeats` times with the calling thread's CPU time
 (`time.thread_time`), and writes a JSON `Profile`. This module reads it (numpy and scipy only, no torch) and prices a
 call from its shape (`CallShape`) by interpolating the operators.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dblock.config import ModelConfig
-from dblock.tasks import CharTokenizer
+from dblock.tasks import CharTokenizer, base_task
 
 # Model sizes. "small" is the bundled tiny-masked model; "micro" is for tests (seconds per step on CPU).
 LLADA2_SIZES = {
@@ -95,11 +95,11 @@ def llada2_config(size: str = "base", block_size: int = 16, tokenizer=None) -> M
 
 
 def is_code_task(name: str) -> bool:
-    return name.partition(":")[0] == "code"
+    return base_task(name) == "code"
 
 
 def is_exec_task(name: str) -> bool:
-    return name.partition(":")[0] == "exec"
+    return base_task(name) == "exec"
 
 
 def reproduce_command(cfg: TrainConfig, total: int) -> str:
@@ -107,12 +107,10 @@ def reproduce_command(cfg: TrainConfig, total: int) -> str:
     parts = ["dblock", "train-tiny", "--family", cfg.family, "--out", cfg.out, "--size", cfg.size,
              "--task", cfg.task, "--steps", str(total), "--seed", str(cfg.seed), "--batch-size", str(cfg.batch_size),
              "--lr", str(cfg.lr), "--warmup", str(cfg.warmup), "--block-size", str(cfg.block_size)]
-    if cfg.add_digits:
-        parts += ["--add-digits", "{},{}".format(*cfg.add_digits)]
-    if cfg.rev_len:
-        parts += ["--rev-len", "{},{}".format(*cfg.rev_len)]
-    if cfg.div_digits:
-        parts += ["--div-digits", "{},{}".format(*cfg.div_digits)]
+    for flag, size_range in (("--add-digits", cfg.add_digits), ("--rev-len", cfg.rev_len),
+                             ("--div-digits", cfg.div_digits)):
+        if size_range:
+            parts += [flag, "{},{}".format(*size_range)]
     if cfg.bias_update != TrainConfig.bias_update and cfg.family == "llada2_moe":    # DiffusionGemma has no bias
         parts += ["--bias-update", str(cfg.bias_update)]
     if cfg.min_lr_frac != TrainConfig.min_lr_frac:

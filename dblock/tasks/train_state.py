@@ -38,7 +38,7 @@ OLD_STATE_FILE = "train_state.pt"          # dblock's earlier pickle format: ref
 FORMAT = "dblock-train-state/1"
 META_KEY = "dblock_train_state"
 
-#: the command line's bounds (dblock/tasks/cli.py), applied to a stored config
+#: the command line's bounds (dblock/cli/tasks.py), applied to a stored config
 _INT_BOUNDS = dict(block_size=(1, 4096), batch_size=(1, 65536), steps=(1, 10_000_000), warmup=(0, 10_000_000),
                    save_every=(1, 10_000_000), threads=(1, 1024), curriculum_steps=(0, 10_000_000),
                    curriculum_start=(1, 64), eval_every=(0, 10_000_000), eval_n=(1, 100_000),

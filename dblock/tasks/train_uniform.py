@@ -66,7 +66,7 @@ T_EPS = 1e-3         # t ~ U(T_EPS, 1 - T_EPS)
 
 
 def gemma_config(size: str = "base", block_size: int = 16, tokenizer=None):
-    from dblock.reference.gemma_config import GemmaConfig, TINY_VISION, default_rope_parameters
+    from dblock.gemma_config import GemmaConfig, TINY_VISION, default_rope_parameters
     if size not in GEMMA_SIZES:
         raise ValueError(f"--size {size!r}: allowed {', '.join(GEMMA_SIZES)}")
     tok = tokenizer or CharTokenizer()

@@ -1,9 +1,9 @@
-"""`dblock.decoding.compare.plot`: the compare-schedules rows as a break-even map beside TPF/TPS bars relative to Native."""
+"""`dblock.profiling.compare.plot`: the compare-schedules rows as a break-even map beside TPF/TPS bars relative to Native."""
 import pytest
 
 pytest.importorskip("matplotlib")
 
-from dblock.decoding.compare import derive, plot  # noqa: E402
+from dblock.profiling.compare import derive, plot  # noqa: E402
 from dblock.errors import ConfigError  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -74,7 +74,7 @@ def test_plot_merges_coincident_points_and_needs_native(tmp_path):
 
 def test_plot_from_measured_rows(tmp_path):
     """Rows as compare_schedules really computes them (tiny model), plotted."""
-    from dblock.decoding.compare import compare_schedules
+    from dblock.profiling.compare import compare_schedules
     from dblock.decoding.generate import reference_forward
     from dblock.decoding.params import DecodeConfig
     from dblock.tiny import make_tiny_model

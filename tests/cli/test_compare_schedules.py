@@ -4,7 +4,7 @@ import json
 import pytest
 
 from dblock.cli import main
-from dblock.decoding.compare import compare_schedules, derive
+from dblock.profiling.compare import compare_schedules, derive
 from dblock.decoding.generate import reference_forward
 from dblock.decoding.params import DecodeConfig
 from dblock.simulator.oba import fit_alpha
@@ -36,7 +36,7 @@ def test_rows_and_derived_columns():
 def test_code_quality_columns_first_block_and_whole_answer():
     """A code-task grader's dict: token accuracy of the first block and of the whole answer, each with its CI, and
     the paired Δ against Native; the printed table carries both."""
-    from dblock.decoding.compare import format_table
+    from dblock.profiling.compare import format_table
     fwd = reference_forward(make_tiny_model("llada2_moe", seed=1))
 
     def grader(ids, out):
@@ -79,7 +79,7 @@ def _row(name, Y, Q, F, K):
 
 
 def test_paired_bootstrap_intervals():
-    from dblock.decoding.compare import paired_bootstrap
+    from dblock.profiling.compare import paired_bootstrap
     # requests of very different lengths; the schedule saves exactly one pass in every request of 3 blocks
     Y = [16, 48, 16, 48, 48, 16] * 5
     Kb = [1, 3, 1, 3, 3, 1] * 5
@@ -97,7 +97,7 @@ def test_paired_bootstrap_intervals():
     # different request sets cannot be paired: no interval rather than a wrong one
     assert paired_bootstrap(_row("x", Y[:5], Y[:5], Fb[:5], Kb[:5]), base) == {}
     # derive attaches them to every non-native row and the table prints them
-    from dblock.decoding.compare import format_table
+    from dblock.profiling.compare import format_table
     rows = derive([base, oba])
     assert "TPF_ratio_ci" in rows[1] and "TPF_ratio_ci" not in rows[0]
     dlo, dhi = rows[1]["TPF_ratio_ci"]
@@ -107,7 +107,7 @@ def test_paired_bootstrap_intervals():
 def test_short_responses_with_alpha_near_one_fit_by_eq5():
     """The warm-up block nearly finishes the next block (α ≈ 0.9) and responses have two blocks: Eq. 6 has no root,
     so the row's α and its interval come from Eq. 5 on the per-response blocks, and the table says so."""
-    from dblock.decoding.compare import format_table
+    from dblock.profiling.compare import format_table
     from dblock.simulator import oba as oba_model
     nbar, alpha = 40, 0.9
     Kb = [2, 2, 2, 3] * 6
@@ -132,8 +132,8 @@ def test_batched_multiblock_rows_do_not_count_the_baseline_pass_timed_beside_the
     would exceed it."""
     import time
 
-    from dblock.decoding.compare import run_schedule
-    from dblock.simulator import measure
+    from dblock.profiling.compare import run_schedule
+    from dblock.profiling import measure
     fwd = reference_forward(make_tiny_model("llada2_moe", seed=1))
 
     class Burning:

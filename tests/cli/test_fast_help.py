@@ -74,7 +74,7 @@ def test_every_command_has_a_run_function():
 
 
 def test_train_tiny_defaults_match_train_config():
-    from dblock.tasks import cli as tasks_cli
+    from dblock.cli import tasks as tasks_cli
     from dblock.tasks.train_config import LLADA2_SIZES, TrainConfig
     d = TrainConfig()
     assert {k: getattr(d, k) for k in tasks_cli.TRAIN_DEFAULTS} == tasks_cli.TRAIN_DEFAULTS

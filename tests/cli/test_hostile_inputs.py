@@ -63,7 +63,7 @@ def profiled(tiny_dirs, tmp_path_factory):
     """(operator profile of a tiny llada2_moe, Native trace of that model, Native trace of tiny-uniform)."""
     import dblock
     from dblock.cli import main
-    from dblock.simulator.profiler import Profiler
+    from dblock.profiling.profiler import Profiler
     d = tmp_path_factory.mktemp("profiled")
     prof = Profiler(dblock.load(tiny_dirs["llada2_moe"]), name="tiny", repeats=2, max_rows_blocks=2, max_requests=2,
                     context_blocks=2, min_sample_s=0.0, timer=time.thread_time).run(("reference",))

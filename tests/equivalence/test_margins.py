@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dblock.equivalence.margins import (delta_inf, entropy_bound_check, fixed_k_decision64, fixed_k_margin,
+from dblock.decoding.margins import (delta_inf, entropy_bound_check, fixed_k_decision64, fixed_k_margin,
                                         same_decision, threshold_decision64, threshold_margin)
 from dblock.decoding.samplers import threshold_rule
 

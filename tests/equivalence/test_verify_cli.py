@@ -6,7 +6,7 @@ import os
 import pytest
 
 from dblock.cli import main
-from dblock.equivalence.cli import read_prompts
+from dblock.cli.equivalence import read_prompts
 from dblock.weights_path import CHECKPOINTS_DIR
 
 

@@ -87,7 +87,7 @@ def sources(tmp_path_factory, tiny_dirs):
     """A Native trace and an operator profile of a random tiny llada2_moe, and a run folder stopped after 1 step."""
     import dblock
     from dblock.cli import main
-    from dblock.simulator.profiler import Profiler
+    from dblock.profiling.profiler import Profiler
     from dblock.tasks.train import train
     from dblock.tasks.train_config import TrainConfig
     d = tmp_path_factory.mktemp("fuzz-sources")

@@ -11,7 +11,7 @@ from dblock.decoding.generate import generate
 from dblock.decoding.params import DecodeConfig
 from dblock.decoding.radius import DecisionSpec, block_radius, decision_rows
 from dblock.decoding.schedules import MaskedRule
-from dblock.equivalence.margins import row_stats
+from dblock.decoding.margins import row_stats
 from dblock.optimized.executor import EpochExecutor, epoch_forward
 from dblock.optimized.plan import EpochConfig
 from dblock.tiny import make_tiny_model

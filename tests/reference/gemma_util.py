@@ -8,7 +8,7 @@ import torch
 
 from dblock.decoding.params import DecodeConfig
 from dblock.forward import Segment, StepInput, block_causal
-from dblock.reference.gemma_config import FULL, SLIDING
+from dblock.gemma_config import FULL, SLIDING
 from dblock.reference.gemma_executor import GemmaReference
 from dblock.reference.gemma_tiny import make_tiny_gemma
 from dblock.tiny import save_for_transformers

@@ -1,4 +1,4 @@
-"""Model-config validation (dblock/validate.py, used by dblock/config.py and dblock/reference/gemma_config.py):
+"""Model-config validation (dblock/validate.py, used by dblock/config.py and dblock/gemma_config.py):
 every bad value is one ConfigError naming the file and the key; implausibly large models are refused before
 anything is built; every real and test config stays valid."""
 import glob
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from dblock import validate
 from dblock.config import ConfigError, LLADA2_KEYS, LLADA_MOE_KEYS, llada_config_from_dict, load_config
 from dblock.families import FAMILIES
-from dblock.reference.gemma_config import (FULL, GEMMA_TEXT_KEYS, SLIDING, TINY_VISION, GemmaConfig,
+from dblock.gemma_config import (FULL, GEMMA_TEXT_KEYS, SLIDING, TINY_VISION, GemmaConfig,
                                           default_rope_parameters)
 from dblock.tiny import tiny_config
 from tests.reference.gemma_util import TINY_CONFIGS

@@ -16,7 +16,7 @@ import dblock
 from dblock.config import ConfigError, load_config
 from dblock.decoding.params import DecodeConfig
 from dblock.forward import StepInput, block_causal
-from dblock.reference.gemma_config import FULL, SLIDING, GemmaConfig
+from dblock.gemma_config import FULL, SLIDING, GemmaConfig
 from dblock.reference.gemma_executor import GemmaReference
 from dblock.reference.gemma_tiny import make_tiny_gemma, tiny_gemma_config
 from dblock.tiny import save_for_transformers

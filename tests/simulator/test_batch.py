@@ -3,7 +3,8 @@ batch-composition change alone moves the prediction by 1/β (docs/counters.md)."
 import pytest
 
 from dblock.decoding.params import DecodeConfig
-from dblock.simulator import batch, measure, oba
+from dblock.simulator import batch, oba
+from dblock.profiling import measure
 from dblock.simulator.positions import ParametricProfile
 from dblock.simulator.profile import CallShape
 

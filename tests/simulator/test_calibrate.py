@@ -111,7 +111,7 @@ def test_delta_that_cannot_be_calibrated_is_reported_not_fatal(traces, monkeypat
 def test_real_executor_traces(tmp_path):
     """Traces written by the reference executor calibrate, and the held-out schedules are named as the executor
     names them (flowblock2), with Keep Tokens as a bracket and unsupported ablations marked, not guessed."""
-    from dblock.decoding.compare import compare_schedules
+    from dblock.profiling.compare import compare_schedules
     from dblock.decoding.generate import reference_forward
     from dblock.decoding.params import DecodeConfig
     from dblock.tiny import make_tiny_model

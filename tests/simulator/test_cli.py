@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dblock.simulator import cli
+from dblock.cli import simulator as cli
 
 
 def run(argv, capsys):
@@ -130,7 +130,7 @@ def test_progress_bars_only_on_a_terminal_or_when_asked(monkeypatch):
     import sys
     from types import SimpleNamespace
 
-    from dblock.simulator.cli_common import show_progress
+    from dblock.cli_args import show_progress
 
     class Tty(io.StringIO):
         def isatty(self):

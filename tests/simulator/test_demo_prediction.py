@@ -13,7 +13,7 @@ def run(Y, K, F, den_s, den_base_s=None, calls=(4, 4, 2)):
 
 
 def row(schedule, runs, band_of):
-    from dblock.simulator import measure
+    from dblock.profiling import measure
     base = runs[0]
     ratios = measure.paired_ratios([dict(r, TPS=r["Y"] / r["den_s"]) for r in runs],
                                    [dict(b, TPS=b["Y"] / b["den_s"]) for b in band_of])
@@ -59,7 +59,7 @@ def test_the_demo_remeasures_a_profile_of_other_executor_code(tmp_path, monkeypa
     same (the code fingerprint in its meta) and measures a new one when it is not."""
     import numpy as np
 
-    from dblock.simulator import profiler
+    from dblock.profiling import profiler
     from dblock.simulator.fingerprint import code_fingerprint
     from dblock.simulator.profile import OpTable, Profile
     path = str(tmp_path / "p.json")
@@ -87,7 +87,7 @@ def test_the_demos_quick_profile_has_its_own_file_and_the_demos_batch(tmp_path, 
     import numpy as np
 
     from dblock.simulator import profile as profile_mod
-    from dblock.simulator import profiler
+    from dblock.profiling import profiler
     from dblock.simulator.fingerprint import code_fingerprint
     from dblock.simulator.profile import OpTable, Profile
     monkeypatch.setattr(profile_mod, "PROFILE_DIR", str(tmp_path))

@@ -1,4 +1,4 @@
-"""`dblock simulate plan` (dblock/simulator/plan.py, cli_plan.py) and `--liveness-from` (liveness.trace_profile):
+"""`dblock simulate plan` (dblock/simulator/plan.py, dblock/cli/simulator_plan.py) and `--liveness-from` (liveness.trace_profile):
 properties of the search (monotone in rate and in the SLO; a plan re-simulated by `simulate serve` at its settings
 meets the SLO), the table, the JSON, the infeasible and out-of-memory answers, bad input."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dblock.simulator import cli, cost, hardware, plan
+from dblock.cli import simulator as cli
+from dblock.simulator import cost, hardware, plan
 from dblock.simulator.liveness import LivenessProfile, per_pass, trace_profile
 from dblock.simulator.positions import ParametricProfile
 from tests.fuzz.harness import check_contract, run_cli
@@ -235,7 +236,7 @@ def test_operator_profile_plan_is_the_highest_rate_that_holds_its_slo(tmp_path, 
     from dblock.cli import main
     from dblock.simulator import plan_profiled as pp
     from dblock.simulator.profile import ProfiledCost
-    from dblock.simulator.profiler import Profiler
+    from dblock.profiling.profiler import Profiler
     folder = tiny_dirs["llada2_moe"]
     prof = Profiler(dblock.load(folder), name="tiny", repeats=2, max_rows_blocks=2, max_requests=2,
                     context_blocks=2, min_sample_s=0.0, timer=time.thread_time).run(("reference",))

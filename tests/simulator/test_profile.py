@@ -135,7 +135,7 @@ def test_touched_experts():
 
 
 def test_profiler_writes_every_table_on_a_tiny_model(tmp_path):
-    from dblock.simulator.profiler import Profiler
+    from dblock.profiling.profiler import Profiler
     from dblock.tiny import make_tiny_model
     m = make_tiny_model("llada2_moe", seed=0, block_size=8)
     prof = Profiler(m, name="tiny", repeats=2, max_rows_blocks=2, max_requests=2, context_blocks=2,
@@ -156,7 +156,7 @@ def test_profiler_writes_every_table_on_a_tiny_model(tmp_path):
 
 
 def test_profiler_refuses_uniform_state_models():
-    from dblock.simulator.profiler import Profiler
+    from dblock.profiling.profiler import Profiler
     from dblock.reference.gemma_tiny import make_tiny_gemma
     with pytest.raises(ValueError, match="not profiled"):
         Profiler(make_tiny_gemma(seed=0))

@@ -1,4 +1,4 @@
-"""The profile's Epoch MoE table follows the executor on a real decode (dblock/simulator/profiler_epoch.py): its
+"""The profile's Epoch MoE table follows the executor on a real decode (dblock/profiling/profiler_epoch.py): its
 calibration decodes exercise the Expert Atlas's per-token fail-closed where synthetic blocks barely do, and the
 table prices decode passes wherever one landed (synthetic blocks only elsewhere). No timing is asserted."""
 from collections import Counter
@@ -6,11 +6,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dblock.simulator import profiler_epoch
+from dblock.profiling import profiler_epoch
 
 
 def _profiler():
-    from dblock.simulator.profiler import Profiler
+    from dblock.profiling.profiler import Profiler
     from dblock.tiny import make_tiny_model
     # 64 experts top-8, blocks of 16: the Atlas restricts routing (B = 32 < E), as on code-masked
     m = make_tiny_model("llada2_moe", seed=0, block_size=16, num_experts=64, num_experts_per_tok=8)

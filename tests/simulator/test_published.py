@@ -1,4 +1,4 @@
-"""The GPU cost model against published measurements (dblock/simulator/published.py, gpufit.py, cli_published.py):
+"""The GPU cost model against published measurements (dblock/simulator/published.py, gpufit.py, dblock/cli/simulator_published.py):
 the data file and its schema, the fit (re-run here and compared with the stored values), the predictions'
 mechanics, and `simulate calibrate|validate --published`."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from dblock.errors import ConfigError
-from dblock.simulator import cli, cost, gpufit, hardware, published
+from dblock.cli import simulator as cli
+from dblock.simulator import cost, gpufit, hardware, published
 
 
 def run(argv, capsys):

@@ -3,7 +3,7 @@ fake clock that only the executor calls advance): the measurement then equals th
 the same function, and every reference row must come out with ≈ 0 error. No timing is asserted."""
 import pytest
 
-from dblock.simulator import measure, validate
+from dblock.profiling import measure, validate
 from dblock.simulator.profile import ProfiledCost
 from tests.simulator.test_profile import synthetic_profile
 

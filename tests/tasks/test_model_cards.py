@@ -8,7 +8,7 @@ import pytest
 from dblock.cli import main
 from dblock.tasks import BUNDLED_TASK
 from dblock.tasks.card import CARD_JSON, CARD_MD, build_card, read_card, render_markdown, task_of
-from dblock.tasks.cli import run_eval_command
+from dblock.cli.tasks import run_eval_command
 from dblock.weights_path import CHECKPOINTS_DIR
 
 ARITH = ["tiny-masked", "tiny-uniform"]

@@ -14,7 +14,7 @@ import os
 from dblock.cli_args import (MAX_PROBLEMS, ArgumentParser, FlagRule, ValueRefused, add_batch_size_arg,
                              add_decode_args, add_executor_args, add_flag_rules, add_model_args, check_flag_rules,
                              float_arg, int_arg, resolve_max_new_tokens, seed_arg, seeds_arg)
-from dblock.decoding.flags import check_fits, decode_config, schedule_from_args
+from dblock.decode_flags import check_fits, decode_config, schedule_from_args
 from dblock.model_flags import load_model, make_forward, model_config
 from dblock.out_paths import check_out_dir
 from dblock.prompts import load_tokenizer

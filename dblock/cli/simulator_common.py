@@ -1,21 +1,10 @@
 """What the `dblock simulate` subcommands share: comma-separated and distribution flags parsed with one clear error
-naming the flag (`_floats`, `_positive_floats`, `_ints`, `_dist`), the output as text or JSON (`_emit`), and whether
-to draw progress bars (`show_progress`)."""
+naming the flag (`_floats`, `_positive_floats`, `_ints`, `_dist`), and the output as text or JSON (`_emit`). Whether
+to draw progress bars is `dblock.cli_args.show_progress`."""
 from __future__ import annotations
 
 import json
 import math
-import os
-import sys
-
-
-def show_progress(args=None) -> bool:
-    """Progress bars on stderr: never with --json; `DBLOCK_PROGRESS=1` / `0` forces them on / off; otherwise only
-    when stderr is a terminal (so a captured stderr holds nothing but the one-line error, should the command fail)."""
-    if args is not None and getattr(args, "json", False):
-        return False
-    env = os.environ.get("DBLOCK_PROGRESS")
-    return env == "1" or (env != "0" and sys.stderr.isatty())
 
 
 def _floats(text: str, flag: str = "") -> list[float]:

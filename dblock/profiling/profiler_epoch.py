@@ -23,7 +23,7 @@ from collections import Counter
 
 import numpy as np
 
-from dblock.simulator.measure import TimedForward
+from dblock.profiling.measure import TimedForward
 
 FRACS = [0.125, 0.25, 0.5, 0.75, 1.0]
 DECODE_BLOCKS = 3                     # blocks decoded per request in a calibration decode

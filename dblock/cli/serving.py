@@ -1,6 +1,6 @@
 """`dblock serve` (OpenAI-compatible server over the engine) and `dblock loadgen` (Poisson load generator).
 
-Thin: parse, call the library, print. The lead's `dblock/cli.py` imports this module and calls `add_parser`.
+Thin: parse, call the library, print. `dblock.cli` imports this module and calls `add_parser`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 from dblock.cli_args import (FlagRule, add_decode_args, add_executor_args, add_flag_rules, add_model_args, float_arg,
                              int_arg, port_arg, seed_arg)
-from dblock.decoding.flags import check_fits, check_stops, decode_config, positions_needed, schedule_from_args
+from dblock.decode_flags import check_fits, check_stops, decode_config, positions_needed, schedule_from_args
 from dblock.model_flags import load_model, make_forward, model_config
 from dblock.out_paths import check_out_file
 from dblock.prompts import load_tokenizer

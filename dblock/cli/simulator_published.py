@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from dblock.out_paths import check_out_file
-from dblock.simulator.cli_common import _emit
+from dblock.cli.simulator_common import _emit
 
 
 def calibrate_published(args) -> int:

@@ -6,7 +6,7 @@ import os
 
 from dblock.cli_args import (MAX_BATCH, MAX_PROBLEMS, FlagRule, add_decode_args, add_executor_args, add_flag_rules,
                              add_model_args, add_special_tokens_arg, int_arg, resolve_max_new_tokens, seeds_arg)
-from dblock.decoding.flags import check_fits, check_seed_span, decode_config, schedule_from_args
+from dblock.decode_flags import check_fits, check_seed_span, decode_config, schedule_from_args
 from dblock.model_flags import load_model, make_forward, model_config
 from dblock.out_paths import check_out_dir
 from dblock.prompts import encode_texts, load_tokenizer
@@ -53,7 +53,7 @@ def _prompts(args, folder, cfg):
     """(labelled prompts, grader or None) from --task or --prompts; nothing is loaded but tokenizer.json."""
     tok = load_tokenizer(folder)
     if args.task:
-        from dblock.tasks.cli import task_from_name
+        from dblock.cli.tasks import task_from_name
         from dblock.tasks.evaluate import TokenizerAdapter, encode_task_prompts, prompts_and_grader
         if tok is None:
             raise ValueError(f"--task needs a tokenizer.json in {folder}")
@@ -96,7 +96,7 @@ def _prompts(args, folder, cfg):
 
 
 def run(args) -> int:
-    from dblock.decoding.compare import DEFAULT_SCHEDULES, compare_schedules, format_table
+    from dblock.profiling.compare import DEFAULT_SCHEDULES, compare_schedules, format_table
 
     from dblock.decoding.schedules import schedule_spec
 
@@ -105,7 +105,7 @@ def run(args) -> int:
     # refused from config.json and tokenizer.json before the weights are read
     folder, cfg = model_config(args)
     if args.task:
-        from dblock.tasks.cli import task_from_name
+        from dblock.cli.tasks import task_from_name
         resolve_max_new_tokens(args, task_from_name(args.task))
     resolve_max_new_tokens(args)
     seeds = args.seeds if isinstance(args.seeds, list) else seeds_arg(args.seeds)
@@ -141,6 +141,6 @@ def run(args) -> int:
     else:
         print(format_table(rows))
     if args.plot:
-        from dblock.decoding.compare import plot
+        from dblock.profiling.compare import plot
         plot(rows, args.plot)
     return 0

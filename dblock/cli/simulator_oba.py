@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from dblock.cli_args import FlagRule, add_flag_rules, float_arg, int_arg
+from dblock.cli.simulator_common import _dist, _emit
+from dblock.cli_args import FlagRule, add_flag_rules, float_arg, int_arg, show_progress
 from dblock.out_paths import check_out_file
-from dblock.simulator.cli_common import _dist, _emit, show_progress
 
 #: `simulate oba --simulate R`: the most denoising passes (R responses x blocks x passes per block) simulated
 MAX_SIM_PASSES = 20_000_000

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import sys
 
-from dblock.cli_args import FlagRule, add_flag_rules, float_arg, int_arg
+from dblock.cli.simulator_common import _dist, _emit
+from dblock.cli_args import FlagRule, add_flag_rules, float_arg, int_arg, show_progress
 from dblock.out_paths import check_out_file
-from dblock.simulator.cli_common import _dist, _emit, show_progress
 
 
 def add_parsers(sub, common) -> None:
@@ -142,8 +142,8 @@ def _refuse_with_published(args, defaults: dict) -> None:
 
 
 def _published_default() -> str:
-    import os
-    return os.path.join(os.path.dirname(__file__), "data", "published_gpu.json")
+    from dblock.simulator.published import DATA_PATH
+    return DATA_PATH
 
 
 def _calibrate(args) -> int:
@@ -151,7 +151,7 @@ def _calibrate(args) -> int:
     if args.published:
         _refuse_with_published(args, dict(cpu=False, traces=[], hold_out=[], hardware=None, model=None,
                                           delta_from="oba", gamma=None))
-        from dblock.simulator.cli_published import calibrate_published
+        from dblock.cli.simulator_published import calibrate_published
         return calibrate_published(args)
     if args.cpu:
         if args.out:
@@ -205,7 +205,7 @@ def _profile_path(model: str) -> str:
 
 def _profile(args) -> int:
     import numpy as np
-    from dblock.simulator.profiler import profile_model
+    from dblock.profiling.profiler import profile_model
     out = args.out or _profile_path(args.model)
     if args.out:
         check_out_file(args.out, "--out")
@@ -284,13 +284,13 @@ def _predict(args) -> int:
 
 
 def _validate(args) -> int:
-    from dblock.simulator import validate
+    from dblock.profiling import validate
     from dblock.simulator.profile import Profile
     if args.published:
         _refuse_with_published(args, dict(model="tiny-masked", profile=None, n=32, repeats=3, quick=False,
                                           no_epoch=False, no_alpha=False, alpha_only=False,
                                           alpha_model="code-uniform", alpha_n=256))
-        from dblock.simulator.cli_published import validate_published
+        from dblock.cli.simulator_published import validate_published
         return validate_published(args)
     if args.fit:
         raise ValueError("--fit: only with --published (the fit the published points are predicted with)")
@@ -330,7 +330,7 @@ def _validate(args) -> int:
                   f"predictions price that code (`dblock simulate profile --model {args.model}` re-measures it)",
                   file=sys.stderr)
     else:
-        from dblock.simulator.profiler import profile_model
+        from dblock.profiling.profiler import profile_model
         if not args.json:
             print(f"no profile at {path}: measuring one first{' (quick)' if args.quick else ''}", file=sys.stderr)
         prof = profile_model(args.model, out=path, quick=args.quick, progress=show_progress(args),

@@ -1,10 +1,16 @@
 """`dblock <command>`: thin argparse front end. Parse, call library functions, print.
 
+The command line is its own room, on top of every library room (docs/architecture.md): no library module imports
+it. This package holds the command tree and, one module per room, that room's commands: `decoding.py`
+(compare-schedules), `tasks.py` (train-tiny, eval, model-card), `equivalence.py` (verify), `serving.py` (serve,
+loadgen) and `simulator.py` (simulate, over `simulator_oba.py`, `simulator_roofline.py`, `simulator_plan.py`,
+`simulator_profile.py`, `simulator_published.py` and their shared `simulator_common.py`).
+
 The command tree is plain argparse, built by `build_parser()`: this module's own commands (info, generate, make-tiny,
-demo), then every room's commands, each from its cli module's `add_parser(subparsers)` (`ROOM_CLIS`, imported here
+demo), then every room's commands, each from its module's `add_parser(subparsers)` (`ROOM_CLIS`, imported here
 by name). Every subcommand carries its run function as `set_defaults(_run=fn)`; `main` calls `args._run(args)`.
 Shared option groups live in `dblock.cli_args`, what the parsed flags become beside what they serve
-(`dblock.decoding.flags`, `dblock.model_flags`, `dblock.prompts`, `dblock.out_paths`); rooms import them from there,
+(`dblock.decode_flags`, `dblock.model_flags`, `dblock.prompts`, `dblock.out_paths`); rooms import them from there,
 not from here. Building the tree imports no torch: each run function imports what it needs.
 
 Errors are one line on stderr with exit status 2 (set DBLOCK_DEBUG=1 to see the traceback): `dblock: error: ...`
@@ -22,17 +28,17 @@ import sys
 
 from dblock.cli_args import (ArgumentParser, FlagRule, add_batch_size_arg, add_decode_args, add_executor_args,
                              add_flag_rules, add_model_args, add_special_tokens_arg, check_flag_rules, int_arg, seed_arg)
-from dblock.decoding import cli as decoding_cli
-from dblock.decoding.flags import check_fits, decode_config, schedule_from_args
-from dblock.equivalence import cli as equivalence_cli
+from dblock.cli import decoding as decoding_cli
+from dblock.cli import equivalence as equivalence_cli
+from dblock.cli import serving as serving_cli
+from dblock.cli import simulator as simulator_cli
+from dblock.cli import tasks as tasks_cli
+from dblock.decode_flags import check_fits, decode_config, schedule_from_args
 from dblock.errors import DblockError, StdoutError
 from dblock.model_flags import load_model, make_forward, model_config, prepare_triton
 from dblock.out_paths import check_out_dir, check_out_file
 from dblock.prompts import encode_texts, load_tokenizer, parse_ids
 from dblock.ranks import is_rank0, under_torchrun
-from dblock.serving import cli as serving_cli
-from dblock.simulator import cli as simulator_cli
-from dblock.tasks import cli as tasks_cli
 
 #: rooms whose commands follow this module's own, in `dblock --help` order
 ROOM_CLIS = (simulator_cli, tasks_cli, equivalence_cli, serving_cli, decoding_cli)

@@ -7,9 +7,9 @@ import json
 import math
 import sys
 
-from dblock.cli_args import FlagRule, add_flag_rules, float_arg, int_arg
+from dblock.cli.simulator_common import _dist, _emit, _floats, _ints, _positive_floats
+from dblock.cli_args import FlagRule, add_flag_rules, float_arg, int_arg, show_progress
 from dblock.out_paths import check_out_file
-from dblock.simulator.cli_common import _dist, _emit, _floats, _ints, _positive_floats, show_progress
 
 
 def add_parsers(sub, common) -> None:

@@ -29,7 +29,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from dblock.simulator import batch, measure
+from dblock.simulator import batch
+from dblock.profiling import measure
 from dblock.simulator.profile import QUANTILES, Profile, ProfiledCost
 
 
@@ -234,7 +235,7 @@ def run(plan: Plan, profile: Profile, model=None, forward: Optional[Callable[[st
         if drift_fn is not None:
             samples.append(drift_fn())
         elif plan.drift and not forward_given:
-            from dblock.simulator.profiler import drift as measure_drift
+            from dblock.profiling.profiler import drift as measure_drift
             samples.append(measure_drift(profile, m, timer=timer))
     cost: dict = {}
 
@@ -354,7 +355,7 @@ def alpha_rows(plan: Plan, model=None, progress: Optional[Callable[[str], None]]
     import json
 
     import dblock
-    from dblock.decoding.compare import paired_bootstrap, run_schedule
+    from dblock.profiling.compare import paired_bootstrap, run_schedule
     from dblock.decoding.params import DecodeConfig
     from dblock.decoding.generate import reference_forward
     from dblock.simulator import calibrate as cal_mod

@@ -1,16 +1,17 @@
 """`dblock simulate oba|alpha|pass|serve|search|plan|calibrate ...` — thin: parse, call the library, print.
 
-`dblock/cli.py` calls `add_parser(subparsers)`; each `simulate` subcommand runs its `set_defaults(_run=...)` function.
+`dblock.cli` calls `add_parser(subparsers)`; each `simulate` subcommand runs its `set_defaults(_run=...)` function.
 Errors are `ValueError`s with one clear message; the top-level CLI prints them as one line. Numeric flags carry
 their ranges in their argparse types (`dblock.cli_args.int_arg`, `float_arg`): NaN, inf and out-of-range values are
 refused at parse time, naming the flag. Work that would not finish (`oba --simulate` on a workload of more than
-`cli_oba.MAX_SIM_PASSES` denoising passes) is refused before it starts.
+`simulator_oba.MAX_SIM_PASSES` denoising passes) is refused before it starts.
 
 One module per subcommand group, each adding its subcommands (`add_parsers`) and holding their run functions:
-`cli_oba` (oba, alpha: the One Block Ahead closed forms and α), `cli_roofline` (pass, serve, search: the roofline
-pass cost and the SimPy serving model over it), `cli_plan` (plan: the cheapest deployment meeting an SLO),
-`cli_profile` (calibrate, profile, predict, validate: the simulator
-fitted to this machine); `cli_common` holds their shared flag parsing and output.
+`simulator_oba` (oba, alpha: the One Block Ahead closed forms and α), `simulator_roofline` (pass, serve, search:
+the roofline pass cost and the SimPy serving model over it), `simulator_plan` (plan: the cheapest deployment meeting
+an SLO), `simulator_profile` (calibrate, profile, predict, validate: the simulator fitted to this machine, measured
+by dblock/profiling/), `simulator_published` (calibrate and validate `--published`); `simulator_common` holds their
+shared flag parsing and output.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import argparse
 import sys
 
 from dblock.cli_args import ArgumentParser, seed_arg
-from dblock.simulator import cli_oba, cli_plan, cli_profile, cli_roofline
+from dblock.cli import simulator_oba, simulator_plan, simulator_profile, simulator_roofline
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,10 +34,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=seed_arg, default=0,
                         help="random seed of every simulation, in [0, 2**63-1] (default 0)")
 
-    cli_oba.add_parsers(sub, common)
-    cli_roofline.add_parsers(sub, common)
-    cli_plan.add_parsers(sub, common)
-    cli_profile.add_parsers(sub, common)
+    simulator_oba.add_parsers(sub, common)
+    simulator_roofline.add_parsers(sub, common)
+    simulator_plan.add_parsers(sub, common)
+    simulator_profile.add_parsers(sub, common)
     return p
 
 
@@ -45,7 +46,7 @@ def main(args) -> int:
     return args._run(args)
 
 
-def _standalone(argv=None) -> int:  # pragma: no cover - `python -m dblock.simulator.cli` for quick use
+def _standalone(argv=None) -> int:  # pragma: no cover - `python -m dblock.cli.simulator` for quick use
     parser = ArgumentParser(prog="dblock")
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(argv)

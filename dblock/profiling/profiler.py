@@ -405,7 +405,7 @@ class Profiler:
     def epoch(self) -> list:
         """epoch_moe(rows, fresh_frac) from real Native decode passes and epoch_call_denoise(requests, segments)
         (`profiler_epoch.epoch_tables`)."""
-        from dblock.simulator.profiler_epoch import epoch_tables
+        from dblock.profiling.profiler_epoch import epoch_tables
         return epoch_tables(self)
 
     # ---- drift anchors ----------------------------------------------------------------------------------------

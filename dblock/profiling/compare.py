@@ -5,7 +5,7 @@ Per schedule: TPF = ΣY/ΣQ; TPS = ΣY / denoising thread-CPU time; T_den = mean
 (both on the schedule's own calls: the baseline pass timed beside a call for r below is not counted); r = the
 schedule's pass over Native(C)'s pass on the same rows (docs/counters.md), from thread-CPU time: at batch 1 it is
 T_den_cpu / T_den_cpu(Native C), as the paper measures it; at a larger --batch-size a multi-block schedule's calls are
-also timed with each request's extra blocks removed (`dblock.simulator.measure.TimedForward`, shadow "strip"), r is
+also timed with each request's extra blocks removed (`dblock.profiling.measure.TimedForward`, shadow "strip"), r is
 the ratio of the two, and β = the baseline pass's cost per request at this schedule's batch composition over at
 Native's (1 at batch 1); n = F/K passes per block; naive ᾱ = n̄/n − 1 with n̄ the Native(C) passes per block; fitted α
 from Eq. 6 (`dblock.simulator.oba.fit_alpha`, single root on [−1/2, 1)); the break-even verdict α > r − 1 (the fixed
@@ -54,7 +54,7 @@ def run_schedule(fwd, prompts, dec, name: str, seeds, batch_size: Optional[int] 
     reqs = _requests(prompts, dec, seeds)
     timed = None
     if batch_size != 1 and name in MULTIBLOCK:
-        from dblock.simulator.measure import TimedForward   # r on the same rows: the baseline's pass timed beside
+        from dblock.profiling.measure import TimedForward   # r on the same rows: the baseline's pass timed beside
         timed = TimedForward(fwd, shadow="strip", record=False)
     with TraceWriter(trace) as tr:
         if tr.enabled:

@@ -6,9 +6,9 @@ import math
 import os
 import sys
 
-from dblock.cli_args import FlagRule, add_flag_rules, float_arg, given, int_arg
+from dblock.cli.simulator_common import _dist, _emit, _ints
+from dblock.cli_args import FlagRule, add_flag_rules, float_arg, given, int_arg, show_progress
 from dblock.out_paths import check_out_file
-from dblock.simulator.cli_common import _dist, _emit, _ints, show_progress
 
 
 def add_parsers(sub, common) -> None:
@@ -141,7 +141,7 @@ def _trace_workload(path: str):
 
 def _inputs(args):
     from dblock.simulator import cost, hardware, plan
-    from dblock.simulator.cli_roofline import _calibration
+    from dblock.cli.simulator_roofline import _calibration
     from dblock.simulator.positions import ParametricProfile
     kinds = [k.strip().lower() for k in args.hardware.split(",") if k.strip()]
     if not kinds:

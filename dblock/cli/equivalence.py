@@ -21,7 +21,7 @@ import sys
 from dblock.cli_args import (MAX_PROBLEMS, FlagRule, ValueRefused, add_batch_size_arg, add_decode_args,
                              add_executor_args, add_flag_rules, add_model_args, add_special_tokens_arg, float_arg,
                              int_arg, resolve_max_new_tokens)
-from dblock.decoding.flags import check_fits, decode_config, schedule_from_args
+from dblock.decode_flags import check_fits, decode_config, schedule_from_args
 from dblock.model_flags import _path_model, load_model, model_config
 from dblock.out_paths import check_out_file
 from dblock.prompts import encode_texts, load_tokenizer
@@ -169,7 +169,7 @@ def _verify(args) -> int:
     # refused from config.json and tokenizer.json before the weights are read
     folder, cfg = model_config(args)
     if args.task is not None:
-        from dblock.tasks.cli import task_from_name
+        from dblock.cli.tasks import task_from_name
         resolve_max_new_tokens(args, task_from_name(args.task))
     resolve_max_new_tokens(args)
     dec = decode_config(args, cfg.family, tokenizer=folder)
@@ -177,7 +177,7 @@ def _verify(args) -> int:
     task = examples = tok = None
     hf = load_tokenizer(folder)
     if args.task is not None:
-        from dblock.tasks.cli import task_from_name
+        from dblock.cli.tasks import task_from_name
         from dblock.tasks.evaluate import TokenizerAdapter, encode_task_prompts
         task = task_from_name(args.task)
         if hf is None:
