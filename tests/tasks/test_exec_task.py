@@ -14,17 +14,17 @@ from dblock.tasks import get_task
 from dblock.tasks.exec_task import DISTINCT, ITERS, MAX_ANSWER, ExecTask, exec_tokenizer, run
 
 
-def _python_prints(program: str) -> str:
-    """What a separate CPython process prints for `program` (the real interpreter, all builtins)."""
-    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True,
-                          timeout=60).stdout
+def _python_prints(examples) -> list:
+    """What a separate CPython process (the real interpreter, all builtins) prints for each example's program."""
+    progs = "\n".join(f"exec({e.prompt!r})\nprint('---')" for e in examples)
+    out = subprocess.run([sys.executable, "-c", progs], capture_output=True, text=True, check=True, timeout=60).stdout
+    return out.split("---\n")[:-1]
 
 
 def test_answers_are_what_a_real_python_process_prints():
     task = ExecTask()
     examples = task.examples("test", 12) + task.examples("train", 12, start=1000)
-    progs = "\n".join(f"exec({e.prompt!r})\nprint('---')" for e in examples)
-    printed = _python_prints(progs).split("---\n")[:-1]
+    printed = _python_prints(examples)
     assert printed == [e.answer for e in examples]
 
 
@@ -50,8 +50,7 @@ def test_python_agrees_over_many_seeds():
     """A property over seeds, in one interpreter call: 200 programs of both splits."""
     task = ExecTask()
     examples = [task.sample(s, i) for i in range(100) for s in ("train", "test")]
-    progs = "\n".join(f"exec({e.prompt!r})\nprint('---')" for e in examples)
-    assert _python_prints(progs).split("---\n")[:-1] == [e.answer for e in examples]
+    assert _python_prints(examples) == [e.answer for e in examples]
 
 
 def test_split_is_stable_disjoint_and_pinned():
@@ -164,8 +163,7 @@ def test_the_simpler_grammars_are_what_python_prints_and_a_bad_one_is_refused():
     counter = ExecTask(sizes=ExecSizes(grammar="counter", list_prob=0.0)).capped(3)
     for task in (copy, counter):
         examples = task.examples("train", 6)
-        progs = "\n".join(f"exec({e.prompt!r})\nprint('---')" for e in examples)
-        assert _python_prints(progs).split("---\n")[:-1] == [e.answer for e in examples]
+        assert _python_prints(examples) == [e.answer for e in examples]
     assert all("for" not in e.prompt and e.answer.count("\n") == 1 for e in copy.examples("test", 5))
     lens = {len(e.prompt) for e in counter.examples("train", 20) if e.kind == "vars3"}
     assert len(lens) == 1                                # one layout per size: every lookup at a fixed offset
