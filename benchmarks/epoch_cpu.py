@@ -83,12 +83,12 @@ MINI_SCALED = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_att
                    block_size=32)
 
 
-MODELS = ("mini-scaled", "tiny-masked", "code-masked")
+MODELS = ("mini-scaled", "tiny-masked", "code-masked", "exec-masked")
 CODE_MODEL = {"path": "code-masked"}      # --code-masked PATH: another folder in the code-masked cells
 
 
 def load_model(name: str):
-    if name in ("tiny-masked", "code-masked"):
+    if name in ("tiny-masked", "code-masked", "exec-masked"):
         import dblock
         return dblock.load(CODE_MODEL["path"] if name == "code-masked" else name)
     if name == "mini-scaled":
@@ -99,13 +99,22 @@ def load_model(name: str):
 
 def prompts_for(name, model, batch, rule="threshold", max_new=None):
     """(prompt ids, grading or None, DecodeConfig). tiny-masked: held-out problems of its card task, 128 new tokens;
-    code-masked: held-out problems of the code task, 64 new tokens (two blocks); mini-scaled: random prompts of 8-23
+    code-masked: held-out problems of the code task, 64 new tokens (two blocks); exec-masked: held-out programs of
+    its card's task, up to 96 new tokens (three blocks); mini-scaled: random prompts of 8-23
     tokens, 64 new tokens (two blocks)."""
     if name == "code-masked":
         from dblock.tasks import get_task
         from dblock.tasks.evaluate import TokenizerAdapter
         tok = TokenizerAdapter.from_folder(model.source)
         task = get_task("code")
+        exs = task.examples("test", batch)
+        return [tok.encode(e.prompt) for e in exs], (task, tok, exs), _dec(model, max_new or task.max_new_tokens, rule)
+    if name == "exec-masked":
+        from dblock.tasks import get_task
+        from dblock.tasks.card import task_of
+        from dblock.tasks.evaluate import TokenizerAdapter
+        tok = TokenizerAdapter.from_folder(model.source)
+        task = get_task(task_of(model.source))
         exs = task.examples("test", batch)
         return [tok.encode(e.prompt) for e in exs], (task, tok, exs), _dec(model, max_new or task.max_new_tokens, rule)
     if name == "tiny-masked":
@@ -181,10 +190,19 @@ class MoETimer:
 
 def parse_config(config: str):
     """`name`, `name@δ` (the margin-gated exact refresh of bound δ), `name~ε` (LSP's drift bound ε) or `name~ε@δ`
-    -> (name, δ or None, ε or None)."""
+    -> (name, δ or None, ε or None). A name may carry LSP's age bound: `epoch#3` is epoch at M_C = 3
+    (`config_refresh`)."""
     head, _, delta = config.partition("@")
     name, _, eps = head.partition("~")
-    return name, (float(delta) if delta else None), (float(eps) if eps else None)
+    return name.partition("#")[0], (float(delta) if delta else None), (float(eps) if eps else None)
+
+
+def config_refresh(config: str):
+    """M_C of `epoch#3` (3), None where the name gives none (the configuration's default, 5)."""
+    m = config.partition("@")[0].partition("~")[0].partition("#")[2]
+    if m and not (m.isdigit() and int(m) >= 1):
+        raise ValueError(f"M_C {m!r}")
+    return int(m) if m else None
 
 
 def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
@@ -196,7 +214,8 @@ def run_config(config, model, prompts, dec, path=None, path_model=None) -> dict:
         timer = MoETimer(model)
     else:
         name, delta, eps = parse_config(config)
-        fwd = epoch_forward(model, name, path=path, path_model=path_model, margin_refresh=delta, lsp_drift=eps)
+        fwd = epoch_forward(model, name, path=path, path_model=path_model, margin_refresh=delta, lsp_drift=eps,
+                            refresh=config_refresh(config))
     orig = fwd.denoise
     acc = {"cpu": 0.0, "wall": 0.0, "calls": 0, "rows": 0, "n_fresh": 0.0, "computed": 0, "layer_rows": 0,
            "moe_cpu": 0.0, "moe_bytes": 0, "moe_bytes_sum": 0, "dense_calls": 0, "sys": 0.0, "minflt": 0}
@@ -294,6 +313,8 @@ def parse_configs(s: str) -> list:
         c = c.strip()
         try:
             name, delta, eps = parse_config(c)
+            if config_refresh(c) is not None and name not in EPOCH_LIKE:
+                raise ValueError(c)
         except ValueError:
             name, delta, eps = None, None, None
         exact = name in ("dense", "full_compute")
@@ -301,7 +322,7 @@ def parse_configs(s: str) -> list:
                 (eps is not None and (exact or name == "no_lsp" or not eps >= 0)):
             raise ConfigError(f"--configs {c!r}: give names among {', '.join(CONFIGS)}, or an approximate one with "
                               "the margin-gated refresh's bound (epoch@0.1) and/or, where LSP is on, LSP's drift "
-                              "bound (no_atlas~0.02)")
+                              "bound (no_atlas~0.02), and/or LSP's age bound M_C (epoch#3)")
         out.append(c)
     if "dense" not in out:
         raise ConfigError("--configs: dense must be among them (every ratio is to it)")

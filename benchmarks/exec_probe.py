@@ -48,20 +48,6 @@ def stage_at(schedule: list, step: int) -> tuple:
     return stage
 
 
-def init_from_code_model(model, tok, name: str) -> None:
-    """Start from a bundled code model: every weight as it is, the embedding and LM-head rows of each character
-    taken from the code tokenizer's id of that character (its BPE has every single byte)."""
-    import dblock
-    from dblock.tasks.code_corpus import CodeTokenizer
-    src = dblock.load(name)
-    ct = CodeTokenizer.load(src.source)
-    sd = {k: v.float() for k, v in src.state_dict().items()}
-    ids = list(range(len(tok.vocab[:4]))) + [ct.encode(c)[0] for c in tok.vocab[4:]]
-    for k in ("embed.weight", "lm_head.weight"):
-        sd[k] = sd[k][ids]
-    model.load_state_dict(sd)
-
-
 def cloze(model, tok, task, n: int, ar: bool) -> dict:
     """Value accuracy per answer line on `n` held-out programs (see the module docstring)."""
     from dblock.tasks.bd3 import bd3_mask
@@ -104,7 +90,7 @@ def cloze(model, tok, task, n: int, ar: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--grammar", default="full", help="full | counter | copy (dblock/tasks/exec_task.py GRAMMARS)")
+    ap.add_argument("--grammar", default="full", help="full | arith | counter | copy (dblock/tasks/exec_task.py GRAMMARS)")
     ap.add_argument("--vars", default="2,3", help="numbers of variables drawn (default 2,3)")
     ap.add_argument("--list", type=float, default=0.35, help="probability of the list L (default 0.35)")
     ap.add_argument("--cap", default="0:1",
@@ -128,7 +114,7 @@ def main() -> int:
     from dblock.tasks.train_config import TrainConfig
     from dblock.tasks.train_data import add_noise, batch_for_step
     from dblock.tasks.train_loss import diffusion_loss, expert_loads, update_expert_bias
-    from dblock.tasks.train_model import build_model
+    from dblock.tasks.train_model import build_model, init_from_model
 
     schedule = parse_cap(a.cap, a.grammar)
     bases = {g: ExecTask(sizes=ExecSizes(tuple(int(x) for x in a.vars.split(",")), a.list, None, g))
@@ -138,7 +124,7 @@ def main() -> int:
     tok = exec_tokenizer()
     model = build_model(cfg, tok)
     if a.init:
-        init_from_code_model(model, tok, a.init)
+        init_from_model(model, a.init, tok)
     opt = make_optimizer(model, cfg)
     print(f"{sum(p.numel() for p in model.parameters())} parameters; grammar {a.grammar}, cap {a.cap}, "
           f"objective {a.objective}, lr {a.lr}, batch {a.batch}" + (f", init {a.init}" if a.init else ""), flush=True)

@@ -38,9 +38,16 @@ def base_task(name: str) -> str:
 def get_task(name: str, **kwargs):
     if base_task(name) == "exec":
         from dblock.tasks.exec_task import ExecTask
-        if kwargs or name != "exec":
-            raise ValueError(f"task {name!r}: the exec task takes no options (give 'exec')")
-        return ExecTask()
+        from dblock.tasks.exec_task import GRAMMARS, ExecSizes
+        if kwargs:
+            raise ValueError(f"task exec: size options {sorted(kwargs)} apply to the arith tasks only")
+        if name == "exec":
+            return ExecTask()
+        key, _, val = name.partition(":")[2].partition("=")
+        if key != "grammar" or val not in GRAMMARS:
+            raise ValueError(f"bad task {name!r}: the exec task takes 'exec' or 'exec:grammar=G', G one of "
+                             f"{', '.join(GRAMMARS)}")
+        return ExecTask(name=name, sizes=ExecSizes(grammar=val))
     if base_task(name) == "code":
         from dblock.tasks.code import CodeTask
         if kwargs:

@@ -6,21 +6,25 @@ interpreting it in-process (`run`: `ast.parse`, then a walker that knows only th
 Every value is a small integer 0..9 (every arithmetic result is taken `% 10`, as the program itself says), so one
 value is one character of the character tokenizer.
 
-    a=7                          state: two or three variables (a, b[, c]) set from literals
-    b=4
-    L=[3,1,4,1,5,9,2,6,5,3]      optional: a list of ten digits that the loop indexes
-    print(a,b)
-    for i in range(11):          8..16 iterations
-     a=(a+b)%10                  one statement per variable, in the order a, b, c:
-     if a>b:b=L[a]                   v=(x+y)%10   v=(x-y)%10   v=(x*y)%10   (y a variable, a constant or i)
-     else:b=(b*3)%10                 v=x//k   v=x%k   v=L[x]
-     print(a,b)                      if x>y:v=E1 / else:v=E2   (> < ==; E1, E2 of the forms above)
+    L=[3,1,4,1,5,9,2,6,5,3]      optional ("full" grammar): a list of ten digits that the loop indexes
+    def f(a,b):                  two or three variables (a, b[, c]), the function's arguments
+     print(a,b)
+     for i in range(11):         8..16 iterations
+      a=(a+b)%10                 one statement per variable, in the order a, b, c:
+      if a>b:b=L[a]                  v=(x+y)%10   v=(x-y)%10   v=(x*y)%10   (y a variable, a constant or i)
+      else:b=(b*3)%10                v=x//k   v=x%k   v=L[x]
+      print(a,b)                     if x>y:v=E1 / else:v=E2   (> < ==; E1, E2 of the forms above)
+    f(7,4)                       the call: the initial state, written just before the answer (CRUXEval's layout)
 
 The output is one line per state, its values separated by spaces (`7 4`, `1 4`, ...): the state before the loop, then
 the state after each iteration. So every printed value depends on the values of the line before (and, for a variable
 updated after another, on that one's new value in the same line): the values form dependency chains as long as the
 loop (depth 8..16), which a model with a few layers resolves a link or two per forward pass -- the passes a block
 lives come from the task, the confidence of each decision from training.
+
+Grammars (`GRAMMARS`, `exec:grammar=G` as a task name): "full" (the forms above, the task `exec`), "arith" (only
+v=(x op y)%10, no list: the grammar the bundled exec-masked model is trained on), "counter" (v=(v+k)%10) and "copy"
+(no loop) -- the simpler ones are what the learnability probe (benchmarks/exec_probe.py) starts from.
 
 Why this shape. Each value is a function of at most three values at fixed places (the line before, or earlier in its
 own line) and of one statement of the program, found by its variable's name; the column of a value names its
@@ -90,7 +94,10 @@ def run(program: str) -> str:
     except SyntaxError as e:
         raise ValueError(f"not an exec-task program: line {e.lineno}: {e.msg}") from None
     out: list = []
-    _Interp(out).block(tree.body, top=True)
+    it = _Interp(out)
+    it.block(tree.body)
+    if not it.called:
+        raise ValueError("not an exec-task program: it never calls f")
     return "".join(out)
 
 
@@ -104,36 +111,53 @@ class _Interp:
     """A walker over the AST of one program of the exec grammar (see `run`)."""
 
     def __init__(self, out: list):
-        self.out, self.env = out, {}
+        self.out, self.env, self.func, self.called = out, {}, None, False
 
     @staticmethod
     def refuse(node, what: str):
         raise ValueError(f"not an exec-task program: line {getattr(node, 'lineno', '?')}: {what}")
 
-    def block(self, stmts, top: bool = False) -> None:
+    def block(self, stmts, level: str = "module") -> None:
+        """Run statements at `level`: "module" (the list L, `def f(...)`, the call `f(digits)`), "function" (its
+        body: print, one for loop), "loop" (assignments, if/else, print)."""
         for st in stmts:
             if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
                 name = st.targets[0].id
-                if name == "L" and top and isinstance(st.value, ast.List):
+                if name == "L" and level == "module" and isinstance(st.value, ast.List):
                     self.env["L"] = [self.digit(e) for e in st.value.elts]
-                elif name in NAMES:
+                elif name in NAMES and level == "loop":
                     self.env[name] = self.expr(st.value)
                 else:
-                    self.refuse(st, f"assignment to {name!r}")
-            elif isinstance(st, ast.Expr) and isinstance(st.value, ast.Call):
+                    self.refuse(st, f"assignment to {name!r} here")
+            elif (level == "module" and isinstance(st, ast.FunctionDef) and st.name == "f" and not st.decorator_list
+                  and not st.returns and not (st.args.posonlyargs or st.args.vararg or st.args.kwonlyargs
+                                              or st.args.kwarg or st.args.defaults)
+                  and [a.arg for a in st.args.args] == list(NAMES[:len(st.args.args)]) and st.args.args
+                  and self.func is None):
+                self.func = st
+            elif level == "module" and isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) \
+                    and isinstance(st.value.func, ast.Name) and st.value.func.id == "f":
+                call = st.value
+                if self.func is None or self.called or call.keywords \
+                        or len(call.args) != len(self.func.args.args):
+                    self.refuse(st, "a call other than one f(digits) after its def")
+                self.called = True
+                self.env.update({a.arg: self.digit(v) for a, v in zip(self.func.args.args, call.args)})
+                self.block(self.func.body, "function")
+            elif level in ("function", "loop") and isinstance(st, ast.Expr) and isinstance(st.value, ast.Call):
                 self.print_(st.value)
-            elif (top and isinstance(st, ast.For) and isinstance(st.target, ast.Name) and st.target.id == "i"
-                  and isinstance(st.iter, ast.Call) and isinstance(st.iter.func, ast.Name)
+            elif (level == "function" and isinstance(st, ast.For) and isinstance(st.target, ast.Name)
+                  and st.target.id == "i" and isinstance(st.iter, ast.Call) and isinstance(st.iter.func, ast.Name)
                   and st.iter.func.id == "range" and len(st.iter.args) == 1 and not st.iter.keywords
                   and not st.orelse):
                 n = self.digit(st.iter.args[0], hi=_MAX_LOOP)
                 for k in range(n):
                     self.env["i"] = k
-                    self.block(st.body)
-            elif isinstance(st, ast.If) and not top and len(st.body) == 1 and len(st.orelse) == 1:
-                self.block(st.body if self.test(st.test) else st.orelse)
+                    self.block(st.body, "loop")
+            elif isinstance(st, ast.If) and level == "loop" and len(st.body) == 1 and len(st.orelse) == 1:
+                self.block(st.body if self.test(st.test) else st.orelse, "loop")
             else:
-                self.refuse(st, f"a statement the grammar does not have ({type(st).__name__})")
+                self.refuse(st, f"a statement the grammar does not have here ({type(st).__name__})")
 
     def digit(self, node, hi: int = 9) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int and 0 <= node.value <= hi:
@@ -190,36 +214,47 @@ def _expr(rng: random.Random, names: str, v: str, has_list: bool) -> str:
     return f"({x}{rng.choice(OPS)}{_operand(rng, names)})%10"
 
 
-def _statement(rng: random.Random, names: str, v: str, has_list: bool) -> str:
+def _statement(rng: random.Random, names: str, v: str, has_list: bool) -> list:
+    """One statement of the loop body for variable v: its lines, unindented."""
     if rng.random() < 0.3:
         x, y = rng.sample(names, 2) if rng.random() < 0.7 else (rng.choice(names), str(rng.randint(1, 8)))
         e1, e2 = _expr(rng, names, v, has_list), _expr(rng, names, v, has_list)
         while e2 == e1:
             e2 = _expr(rng, names, v, has_list)
-        return f" if {x}{rng.choice(CMPS)}{y}:{v}={e1}\n else:{v}={e2}\n"
-    return f" {v}={_expr(rng, names, v, has_list)}\n"
+        return [f"if {x}{rng.choice(CMPS)}{y}:{v}={e1}", f"else:{v}={e2}"]
+    return [f"{v}={_expr(rng, names, v, has_list)}"]
 
 
-def _counter(rng: random.Random, names: str, v: str, has_list: bool) -> str:
-    return f" {v}=({v}+{rng.randint(1, 9)})%10\n"
+def _arith(rng: random.Random, names: str, v: str, has_list: bool) -> list:
+    """v=(x op y)%10 only: x is v or another variable, y a variable or a constant 1..9."""
+    x = v if rng.random() < 0.6 else rng.choice(names)
+    return [f"{v}=({x}{rng.choice(OPS)}{_operand(rng, names)})%10"]
 
 
-#: statement generators by grammar: "full" is the task; "counter" (each variable steps by its own constant: every
-#: program of a size has the same layout) and "copy" (no loop: the answer is the initial state) are the simpler
-#: grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum can start from
-GRAMMARS = {"full": _statement, "counter": _counter, "copy": None}
+def _counter(rng: random.Random, names: str, v: str, has_list: bool) -> list:
+    return [f"{v}=({v}+{rng.randint(1, 9)})%10"]
+
+
+#: statement generators by grammar: "full" is the task; "arith" (only v=(x op y)%10), "counter" (each variable steps
+#: by its own constant: every program of a size has the same layout) and "copy" (no loop: the answer is the initial
+#: state) are the simpler grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum start from
+GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None}
 
 
 def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full") -> str:
+    """`def f(a,b[,c]):` (print the state, loop `iters` times: update each variable, print the state), then the call
+    `f(digits)` -- the initial state is written just before the answer (CRUXEval's layout)."""
     names = NAMES[:n_vars]
-    head = "".join(f"{v}={rng.randint(0, 9)}\n" for v in names)
-    if has_list:
-        head += "L=[" + ",".join(str(rng.randint(0, 9)) for _ in range(10)) + "]\n"
-    pr = f"print({','.join(names)})\n"
-    if GRAMMARS[grammar] is None:
-        return head + pr
-    body = "".join(GRAMMARS[grammar](rng, names, v, has_list) for v in names)
-    return head + pr + f"for i in range({iters}):\n" + body + " " + pr
+    args = ",".join(str(rng.randint(0, 9)) for _ in names)
+    head = ("L=[" + ",".join(str(rng.randint(0, 9)) for _ in range(10)) + "]\n") if has_list and grammar == "full" else ""
+    pr = f"print({','.join(names)})"
+    lines = [f"def f({','.join(names)}):", f" {pr}"]
+    if GRAMMARS[grammar] is not None:
+        lines.append(f" for i in range({iters}):")
+        for v in names:
+            lines += ["  " + ln for ln in GRAMMARS[grammar](rng, names, v, has_list)]
+        lines.append(f"  {pr}")
+    return head + "\n".join(lines) + f"\nf({args})\n"
 
 
 def _good(answer: str) -> bool:
@@ -279,13 +314,13 @@ class ExecTask:
 
     def solve(self, prompt: str) -> Example:
         """The reference answer of a program of this grammar (what it prints)."""
-        names = re.search(r"^print\(([a-c,]+)\)$", prompt, re.M)
+        names = re.search(r"^ print\(([a-c,]+)\)$", prompt, re.M)
         iters = re.search(r"range\((\d+)\)", prompt)
-        if names is None or iters is None:
+        if names is None or (iters is None and self.sizes_.grammar != "copy"):
             raise ValueError(f"not an exec-task program: {prompt[:60]!r}")
         answer = run(prompt)
         n = len(names[1].split(","))
-        return Example(prompt=prompt, answer=answer, final=answer, kind=f"vars{n}", digits=int(iters[1]))
+        return Example(prompt=prompt, answer=answer, final=answer, kind=f"vars{n}", digits=int(iters[1]) if iters else 0)
 
     def sample(self, split: str, index: int) -> Example:
         if split not in SPLITS:

@@ -77,17 +77,51 @@ def make_tokenizer(cfg: TrainConfig, run_dir: str, resume: bool):
     return tok
 
 
-def init_from_model(model: torch.nn.Module, source: str) -> None:
+def init_from_model(model: torch.nn.Module, source: str, tok=None) -> None:
     """Copy the weights (and the expert bias) of the model at `source` into `model`; a ConfigError naming the
-    first differing config field when the two are not the same architecture."""
+    first differing config field when the two are not the same architecture. One difference is bridged: a run with
+    a character tokenizer (`tok`, e.g. the exec task's) started from a byte-level BPE model (the bundled code
+    models: every single byte is a token of theirs) takes the embedding and LM-head row of each of its characters
+    from that character's BPE token, and of each special token from the same special there -- so what the source
+    learned about characters carries over."""
     from dblock.errors import ConfigError
     from dblock.weights import load
     src = load(source)
     a, b = src.config, model.config
-    for field in ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
+    sd = src.state_dict()
+    mapped = a.vocab_size != b.vocab_size and isinstance(tok, CharTokenizer) and a.vocab_size > 256
+    if mapped:
+        sd = _char_rows_from_bpe(sd, src, tok, source)
+    for field in ("family",) + (() if mapped else ("vocab_size",)) + ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                   "moe_intermediate_size"):
         if getattr(a, field, None) != getattr(b, field, None):
             raise ConfigError(f"--init-from {source}: {field} is {getattr(a, field, None)!r} there, "
                               f"{getattr(b, field, None)!r} for this run (family and --size must match)")
-    model.load_state_dict(src.state_dict())
+    model.load_state_dict(sd)
+
+
+def _char_rows_from_bpe(sd: dict, src, tok: CharTokenizer, source: str) -> dict:
+    """`sd` with its embedding and LM-head rows re-indexed to `tok`'s ids (see `init_from_model`)."""
+    from dblock.errors import ConfigError
+    from dblock.tasks.code_corpus import CodeTokenizer
+    from dblock.tasks.tokenizer import SPECIAL_TOKENS
+    try:
+        bpe = CodeTokenizer.load(src.source)
+    except Exception as e:                     # noqa: BLE001 -- any unreadable tokenizer: one clear error
+        raise ConfigError(f"--init-from {source}: its vocabulary ({src.config.vocab_size}) differs from this run's "
+                          f"({tok.vocab_size}) and its tokenizer cannot map characters ({e})") from None
+    ids = []
+    for t in tok.vocab:
+        got = bpe.hf.token_to_id(t) if t in SPECIAL_TOKENS else None
+        if got is None:
+            enc = bpe.encode(t)
+            if len(enc) != 1:
+                raise ConfigError(f"--init-from {source}: the character {t!r} is not one token of its tokenizer")
+            got = enc[0]
+        ids.append(got)
+    out = dict(sd)
+    for k in ("embed.weight", "lm_head.weight"):
+        if k in out:
+            out[k] = out[k][ids].clone()
+    return out

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,7 +75,7 @@ def test_split_is_stable_disjoint_and_pinned():
         assert construct in text, construct
 
 
-PINNED_TEST_DIGEST = "7ad22ae31d6bdbe3"  # the first 50 held-out problems of the generator of record
+PINNED_TEST_DIGEST = "fdec99be978e000e"  # the first 50 held-out problems of the generator of record
 
 
 def test_grading_whole_answer_and_values():
@@ -100,8 +101,37 @@ def test_curriculum_caps_the_loop():
 
 def test_task_names():
     assert isinstance(get_task("exec"), ExecTask)
-    with pytest.raises(ValueError, match="exec"):
-        get_task("exec:foo=1")
+    arith = get_task("exec:grammar=arith")
+    assert arith.sizes_.grammar == "arith" and arith.name == "exec:grammar=arith"
+    assert all(re.fullmatch(r"[abc]=\([abc][-+*]([abc]|[1-9])\)%10", ln.strip())
+               for e in arith.examples("train", 10) for ln in e.prompt.split("\n")[3:-3])
+    assert "L=[" not in "".join(e.prompt for e in arith.examples("train", 30))    # the list belongs to "full"
+    for bad in ("exec:foo=1", "exec:grammar=loops", "exec:grammar"):
+        with pytest.raises(ValueError, match="exec"):
+            get_task(bad)
+
+
+def test_an_exec_run_starts_from_a_bpe_code_model(tmp_path):
+    """`train-tiny --task exec --init-from code-masked`: the character model takes every weight of the BPE model,
+    its embedding and LM-head rows re-indexed so that each character keeps its learned row."""
+    import dblock
+    from dblock.tasks.code_corpus import CodeTokenizer
+    from dblock.tasks.train_config import TrainConfig
+    from dblock.tasks.train_model import build_model, init_from_model
+    tok = exec_tokenizer()
+    model = build_model(TrainConfig(size="code", task="exec", block_size=32, out=str(tmp_path)), tok)
+    init_from_model(model, "code-masked", tok)
+    src = dblock.load("code-masked")
+    bpe = CodeTokenizer.load(src.source)
+    for ch in ("7", " ", "\n", "(", "a", "%"):
+        assert torch.equal(model.embed.weight[tok.encode(ch)[0]], src.embed.weight[bpe.encode(ch)[0]].float()), ch
+    assert torch.equal(model.embed.weight[tok.mask_id], src.embed.weight[src.config.mask_token_id].float())
+    name = "layers.1.mlp.w_gate"                                  # the routed experts of the first MoE layer
+    assert torch.equal(model.state_dict()[name], src.state_dict()[name].float())
+    from dblock.errors import ConfigError
+    with pytest.raises(ConfigError, match="num_hidden_layers is 5 there, 4"):   # another shape: refused by name
+        init_from_model(build_model(TrainConfig(size="base", task="exec", block_size=32, out=str(tmp_path)), tok),
+                        "code-masked", tok)
 
 
 def test_tokenizer_round_trips_and_loads_in_transformers(tmp_path):
@@ -134,16 +164,20 @@ def test_train_tiny_exec_reduces_the_loss(tmp_path):
 
 @pytest.mark.parametrize("program, what", [
     ("import os\nprint(a)\n", "Import"),
-    ("a=1\n__import__('os').system('touch x')\n", "a call other than print"),
-    ("a=1\nprint(a.__class__)\n", "a call other than print"),
-    ("a=1\nwhile a<2:\n a=(a+1)%10\n", "While"),
-    ("a=1\nfor i in range(10**9):\n a=(a+1)%10\n", "integer literal 0..64"),
-    ("a=1\nfor i in range(99):\n a=(a+1)%10\n", "integer literal 0..64"),
-    ("a=1\nb=a//0\n", "division by zero"),
+    ("def f(a):\n __import__('os').system('touch x')\nf(1)\n", "a call other than print"),
+    ("def f(a):\n print(a.__class__)\nf(1)\n", "a call other than print"),
+    ("def f(a):\n while a<2:\n  a=(a+1)%10\nf(1)\n", "While"),
+    ("def f(a):\n for i in range(10**9):\n  a=(a+1)%10\nf(1)\n", "integer literal 0..64"),
+    ("def f(a):\n for i in range(99):\n  a=(a+1)%10\nf(1)\n", "integer literal 0..64"),
+    ("def f(a):\n for i in range(2):\n  a=a//0\nf(1)\n", "division by zero"),
     ("x=1\n", "assignment to 'x'"),
-    ("a=1\nprint(b)\n", "'b' is not a variable"),
+    ("a=1\n", "assignment to 'a' here"),
+    ("def f(a):\n print(b)\nf(1)\n", "'b' is not a variable"),
+    ("def f(a):\n print(a)\nf(1)\nf(2)\n", "a call other than one f(digits)"),
+    ("def f(a):\n print(a)\n", "never calls f"),
+    ("def g(a):\n print(a)\ng(1)\n", "FunctionDef"),
     ("a=(1\n", "line 1"),
-    ("a=1\nL=[1,2]\nb=L[a+5]\n", "outside L"),
+    ("L=[1,2]\ndef f(a):\n for i in range(1):\n  a=L[a+5]\nf(1)\n", "outside L"),
     ("a=1\n" * 1500, "at most"),
 ])
 def test_the_interpreter_runs_nothing_outside_its_grammar(program, what, tmp_path, monkeypatch):
