@@ -48,12 +48,12 @@ def label(config: str) -> str:
     return {"no_atlas": "no Atlas (M_C=5)", "no_lsp": "no LSP"}.get(name, name)
 
 
-def measure(model_name: str, model, batch: int, configs: list, repeats: int) -> list:
+def measure(model_name: str, model, batch: int, configs: list, repeats: int, calibration_repeats: int = 3) -> list:
     from dblock.tasks import answer_text
     from dblock.tasks.code import bootstrap_ci, paired_bootstrap_ci
     prompts, grading, dec = prompts_for(model_name, model, batch, "threshold")
     task, tok, exs = grading
-    profiles = calibrate(model, prompts, dec, 3)
+    profiles = calibrate(model, prompts, dec, calibration_repeats)
     runs = {c: [] for c in configs}
     for _ in range(repeats):
         for c in configs:                 # interleaved
@@ -145,6 +145,7 @@ def main() -> int:
                     help="a bundled model with a task (default exec-masked)")
     ap.add_argument("--batch", type=int, default=64, help="held-out requests, decoded together (default 64)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
+    ap.add_argument("--calibration-repeats", type=int, default=3, help="short runs per path-profile measurement")
     ap.add_argument("--configs", default=CONFIGS, help=f"configurations (default {CONFIGS})")
     ap.add_argument("--png", default=None, help="write the figure here")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -155,8 +156,9 @@ def main() -> int:
         for path, flag in ((a.png, "--png"), (a.json, "--json"), (a.write_benchmarks, "--write-benchmarks")):
             if path:
                 check_out_file(path, flag)
-        if a.batch < 1 or a.repeats < 1:
-            raise ConfigError(f"--batch {a.batch} / --repeats {a.repeats}: must be >= 1")
+        if min(a.batch, a.repeats, a.calibration_repeats) < 1:
+            raise ConfigError(f"--batch {a.batch} / --repeats {a.repeats} / --calibration-repeats "
+                              f"{a.calibration_repeats}: must be >= 1")
         configs = parse_configs(a.configs)
     except ConfigError as e:
         raise SystemExit(f"epoch_quality.py: error: {e}") from None
@@ -166,7 +168,7 @@ def main() -> int:
     model = dblock.load(a.model)
     machine = f"`{platform.platform()}`, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread, {alloc}"
     t0 = time.perf_counter()
-    rows = measure(a.model, model, a.batch, configs, a.repeats)
+    rows = measure(a.model, model, a.batch, configs, a.repeats, a.calibration_repeats)
     print(f"{'config':>18} {'cpu ms/p':>9} {'vs dense':>8} {'passes':>6} {'f':>5} {'acc':>6} {'ident':>6}")
     for r in rows:
         print(f"{r['label']:>18} {r['cpu_ms_per_pass']:>9.2f} {r['speedup']:>8.2f} {r['passes']:>6} "

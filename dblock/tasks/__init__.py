@@ -43,11 +43,21 @@ def get_task(name: str, **kwargs):
             raise ValueError(f"task exec: size options {sorted(kwargs)} apply to the arith tasks only")
         if name == "exec":
             return ExecTask()
-        key, _, val = name.partition(":")[2].partition("=")
-        if key != "grammar" or val not in GRAMMARS:
-            raise ValueError(f"bad task {name!r}: the exec task takes 'exec' or 'exec:grammar=G', G one of "
-                             f"{', '.join(GRAMMARS)}")
-        return ExecTask(name=name, sizes=ExecSizes(grammar=val))
+        bad = (f"bad task {name!r}: the exec task takes 'exec' or 'exec:OPTION=VALUE,...' with grammar=G (G one of "
+               f"{', '.join(GRAMMARS)}) and/or vars=N (N of 1, 2, 3: the number of variables), e.g. "
+               "'exec:grammar=arith,vars=1'")
+        opts = {}
+        for item in name.partition(":")[2].split(","):
+            key, eq, val = item.partition("=")
+            if not eq or key in opts or key not in ("grammar", "vars"):
+                raise ValueError(bad)
+            opts[key] = val
+        if opts.get("grammar", "full") not in GRAMMARS or opts.get("vars", "2") not in ("1", "2", "3"):
+            raise ValueError(bad)
+        sizes = ExecSizes(grammar=opts.get("grammar", "full"))
+        if "vars" in opts:
+            sizes = ExecSizes(vars_=(int(opts["vars"]),), grammar=sizes.grammar)
+        return ExecTask(name=name, sizes=sizes)
     if base_task(name) == "code":
         from dblock.tasks.code import CodeTask
         if kwargs:

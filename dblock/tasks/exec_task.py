@@ -59,7 +59,7 @@ NAMES = "abc"
 OPS = ("+", "-", "*")
 CMPS = (">", "<", "==")
 DISTINCT = 8                         # the first DISTINCT states of a trace are all different
-ITERS = {2: (8, 16), 3: (8, 14)}     # loop lengths by number of variables (answers of 2..3 blocks of 32)
+ITERS = {1: (14, 30), 2: (8, 16), 3: (8, 14)}   # loop lengths by number of variables (answers of 2..3 blocks of 32)
 MAX_ANSWER = 96                      # characters (with <eos>: at most three blocks of 32)
 
 # The character vocabulary of the exec models: the specials, then every character a program or its output uses, a
@@ -217,7 +217,8 @@ def _expr(rng: random.Random, names: str, v: str, has_list: bool) -> str:
 def _statement(rng: random.Random, names: str, v: str, has_list: bool) -> list:
     """One statement of the loop body for variable v: its lines, unindented."""
     if rng.random() < 0.3:
-        x, y = rng.sample(names, 2) if rng.random() < 0.7 else (rng.choice(names), str(rng.randint(1, 8)))
+        x, y = rng.sample(names, 2) if rng.random() < 0.7 and len(names) > 1 else (rng.choice(names),
+                                                                                    str(rng.randint(1, 8)))
         e1, e2 = _expr(rng, names, v, has_list), _expr(rng, names, v, has_list)
         while e2 == e1:
             e2 = _expr(rng, names, v, has_list)

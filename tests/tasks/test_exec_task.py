@@ -106,7 +106,13 @@ def test_task_names():
     assert all(re.fullmatch(r"[abc]=\([abc][-+*]([abc]|[1-9])\)%10", ln.strip())
                for e in arith.examples("train", 10) for ln in e.prompt.split("\n")[3:-3])
     assert "L=[" not in "".join(e.prompt for e in arith.examples("train", 30))    # the list belongs to "full"
-    for bad in ("exec:foo=1", "exec:grammar=loops", "exec:grammar"):
+    one = get_task("exec:grammar=arith,vars=1")
+    assert one.sizes() == {"vars1": (14, 30)} and one._seed_key != arith._seed_key
+    examples = one.examples("test", 8) + get_task("exec:vars=1").examples("train", 8)
+    assert _python_prints(examples) == [e.answer for e in examples]
+    assert all("def f(a):\n" in e.prompt and e.kind == "vars1" for e in examples)
+    for bad in ("exec:foo=1", "exec:grammar=loops", "exec:grammar", "exec:vars=4", "exec:vars=1,vars=2",
+                "exec:grammar=arith;vars=1"):
         with pytest.raises(ValueError, match="exec"):
             get_task(bad)
 
