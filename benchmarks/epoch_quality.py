@@ -31,7 +31,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.epoch_cpu import (_write_atomic, calibrate, parse_config, parse_configs, prompts_for,  # noqa: E402
+from benchmarks.epoch_cpu import (_dec, _write_atomic, calibrate, parse_config, parse_configs,  # noqa: E402
                                   run_config, steady_allocator)
 from dblock.errors import ConfigError  # noqa: E402
 from dblock.out_paths import check_out_file  # noqa: E402
@@ -48,11 +48,17 @@ def label(config: str) -> str:
     return {"no_atlas": "no Atlas (M_C=5)", "no_lsp": "no LSP"}.get(name, name)
 
 
-def measure(model_name: str, model, batch: int, configs: list, repeats: int, calibration_repeats: int = 3) -> list:
+def measure(model, batch: int, configs: list, repeats: int, calibration_repeats: int = 3) -> list:
     from dblock.tasks import answer_text
     from dblock.tasks.code import bootstrap_ci, paired_bootstrap_ci
-    prompts, grading, dec = prompts_for(model_name, model, batch, "threshold")
-    task, tok, exs = grading
+    from dblock.tasks import get_task
+    from dblock.tasks.card import task_of
+    from dblock.tasks.evaluate import TokenizerAdapter
+    tok = TokenizerAdapter.from_folder(model.source)
+    task = get_task(task_of(model.source))            # what the model was trained on (its card)
+    exs = task.examples("test", batch)
+    prompts = [tok.encode(e.prompt) for e in exs]
+    dec = _dec(model, getattr(task, "max_new_tokens", 128), "threshold")
     profiles = calibrate(model, prompts, dec, calibration_repeats)
     runs = {c: [] for c in configs}
     for _ in range(repeats):
@@ -141,8 +147,8 @@ def write_section(path: str, text: str, model: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="exec-masked", choices=["exec-masked", "tiny-masked", "code-masked"],
-                    help="a bundled model with a task (default exec-masked)")
+    ap.add_argument("--model", default="exec-masked",
+                    help="a trained model with a task on its card: a bundled name or a folder (default exec-masked)")
     ap.add_argument("--batch", type=int, default=64, help="held-out requests, decoded together (default 64)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     ap.add_argument("--calibration-repeats", type=int, default=3, help="short runs per path-profile measurement")
@@ -165,10 +171,18 @@ def main() -> int:
     torch.set_num_threads(1)
     alloc = steady_allocator()
     import dblock
-    model = dblock.load(a.model)
+    from dblock.errors import WeightsError
+    from dblock.tasks.card import task_of
+    try:
+        model = dblock.load(a.model)
+    except (WeightsError, ConfigError) as e:
+        raise SystemExit(f"epoch_quality.py: error: --model {a.model}: {e}") from None
+    if task_of(model.source, default="") == "":
+        raise SystemExit(f"epoch_quality.py: error: --model {a.model}: its folder has no card.json naming its task "
+                         "(`dblock model-card` writes one)")
     machine = f"`{platform.platform()}`, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread, {alloc}"
     t0 = time.perf_counter()
-    rows = measure(a.model, model, a.batch, configs, a.repeats, a.calibration_repeats)
+    rows = measure(model, a.batch, configs, a.repeats, a.calibration_repeats)
     print(f"{'config':>18} {'cpu ms/p':>9} {'vs dense':>8} {'passes':>6} {'f':>5} {'acc':>6} {'ident':>6}")
     for r in rows:
         print(f"{r['label']:>18} {r['cpu_ms_per_pass']:>9.2f} {r['speedup']:>8.2f} {r['passes']:>6} "

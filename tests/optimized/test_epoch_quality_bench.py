@@ -22,6 +22,8 @@ def test_bad_configs_and_paths_are_refused_up_front(tmp_path):
                          (["--batch", "0"], "must be >= 1")):
         res = _run(*args, "--model", "tiny-masked", timeout=60)
         assert res.returncode != 0 and needle in res.stderr, (args, res.stderr)
+    res = _run("--model", str(tmp_path / "nothing"), timeout=60)
+    assert res.returncode != 0 and "--model" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert os.listdir(tmp_path) == []
 
 
