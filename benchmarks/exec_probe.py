@@ -5,9 +5,9 @@ committing hours of CPU to a recipe (docs/models.md, "The exec task").
 The run is `train-tiny`'s own step (batch, noise, loss, optimizer, expert-bias update: `dblock.tasks.train*`) on
 `ExecTask(sizes=ExecSizes(grammar=...))`, with the loop length capped by a schedule (`--cap 0:1,300:2`: one
 iteration from step 0, two from step 300; `--cap 0:0:copy,1000:1:full` starts on the copy grammar). The evaluation
-is a cloze: for each line of a held-out answer, that line's values are masked and everything else is visible (with
-`--objective ar`, everything from that line on is masked), and the argmax at each masked value is compared with the
-reference -- per line (`line0` is the copied initial state, `line1` the first iteration, ...) and overall. Chance
+is a cloze: for each line of a held-out answer, that line and everything after it are masked and the lines before it
+are visible (masking only the line itself leaks its value through its neighbours: in a counter, the line after
+gives the step away), and the argmax at each of its values is compared with the reference -- per line (`line0` is the copied initial state, `line1` the first iteration, ...) and overall. Chance
 is 0.1.
 
     .venv/bin/python benchmarks/exec_probe.py --grammar copy --steps 400              # a bare copy: learns
@@ -66,9 +66,7 @@ def cloze(model, tok, task, n: int, ar: bool) -> dict:
             for k, line in enumerate(e.answer.split("\n")[:-1]):
                 vals = [pos + 2 * j for j in range(len(line.split()))]
                 xt = x0.clone()
-                xt[vals] = tok.mask_id
-                if ar:
-                    xt[pos:] = tok.mask_id
+                xt[pos:] = tok.mask_id          # this line and every later one: no neighbour gives it away
                 rows.append(torch.cat([xt, x0]))
                 where.append((k, vals))
                 pos += len(line) + 1
