@@ -518,14 +518,14 @@ def markdown(rows, meta) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def write_section(path: str, text: str) -> None:
-    """Replace the section that starts with SECTION (up to the next `## ` heading) in `path`, or append it."""
+def write_section(path: str, text: str, heading: str = SECTION) -> None:
+    """Replace the section that starts with `heading` (up to the next `## ` heading) in `path`, or append it."""
     old = open(path).read() if os.path.exists(path) else ""
-    start = old.find(SECTION + "\n")
+    start = old.find(heading + "\n")
     if start < 0:
         new = old.rstrip() + "\n\n" + text
     else:
-        m = re.compile(r"^## ", re.M).search(old, start + len(SECTION))
+        m = re.compile(r"^## ", re.M).search(old, start + len(heading))
         end = m.start() if m else len(old)
         new = old[:start] + text + ("\n" if m else "") + old[end:]
     _write_atomic(path, new)

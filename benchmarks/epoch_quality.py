@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.epoch_cpu import (_dec, _write_atomic, calibrate, parse_config, parse_configs,  # noqa: E402
-                                  run_config, steady_allocator)
+                                  run_config, steady_allocator, write_section)
 from dblock.errors import ConfigError  # noqa: E402
 from dblock.out_paths import check_out_file  # noqa: E402
 
@@ -131,20 +131,6 @@ def markdown(rows: list, meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_section(path: str, text: str, model: str) -> None:
-    import re
-    head = f"{SECTION_PREFIX} `{model}`"
-    old = open(path).read() if os.path.exists(path) else ""
-    start = old.find(head + "\n")
-    if start < 0:
-        new = old.rstrip() + "\n\n" + text
-    else:
-        m = re.compile(r"^## ", re.M).search(old, start + len(head))
-        end = m.start() if m else len(old)
-        new = old[:start] + text + ("\n" if m else "") + old[end:]
-    _write_atomic(path, new)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="exec-masked",
@@ -197,7 +183,7 @@ def main() -> int:
     if a.json:
         _write_atomic(a.json, json.dumps({**meta, "rows": rows}, indent=1))
     if a.write_benchmarks:
-        write_section(a.write_benchmarks, markdown(rows, meta), a.model)
+        write_section(a.write_benchmarks, markdown(rows, meta), f"{SECTION_PREFIX} `{a.model}`")
         print(f"wrote the section of {a.write_benchmarks}")
     return 0
 
