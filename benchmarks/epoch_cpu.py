@@ -84,13 +84,14 @@ MINI_SCALED = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_att
 
 
 MODELS = ("mini-scaled", "tiny-masked", "code-masked", "exec-masked")
-CODE_MODEL = {"path": "code-masked"}      # --code-masked PATH: another folder in the code-masked cells
+#: --code-masked / --exec-masked MODEL: another folder (or bundled name) in those cells
+MODEL_PATH = {"code-masked": "code-masked", "exec-masked": "exec-masked"}
 
 
 def load_model(name: str):
     if name in ("tiny-masked", "code-masked", "exec-masked"):
         import dblock
-        return dblock.load(CODE_MODEL["path"] if name == "code-masked" else name)
+        return dblock.load(MODEL_PATH.get(name, name))
     if name == "mini-scaled":
         from dblock.tiny import make_tiny_model
         return make_tiny_model("llada2_moe", seed=0, **MINI_SCALED)
@@ -557,6 +558,9 @@ def main():
                          "depend on which configuration ran before; default: leave malloc as it is")
     ap.add_argument("--code-masked", default="code-masked", metavar="MODEL",
                     help="the model of the code-masked cells (default the bundled code-masked)")
+    ap.add_argument("--exec-masked", default="exec-masked", metavar="MODEL",
+                    help="the model of the exec-masked cells: a trained folder with a card (default the bundled "
+                         "exec-masked)")
     ap.add_argument("--json", default=None, help="write all rows to this file")
     ap.add_argument("--markdown", action="store_true", help="print the BENCHMARKS.md section")
     ap.add_argument("--write-benchmarks", nargs="?", const=os.path.join(ROOT, "BENCHMARKS.md"), default=None,
@@ -574,16 +578,21 @@ def main():
     except ConfigError as e:
         raise SystemExit(f"epoch_cpu.py: error: {e}") from None
     torch.set_num_threads(1)
-    CODE_MODEL["path"] = args.code_masked
+    MODEL_PATH.update({"code-masked": args.code_masked, "exec-masked": args.exec_masked})
     alloc = steady_allocator() if args.allocator == "steady" else "the default allocator"
     t_start = time.perf_counter()
     machine = (f"`{platform.platform()}`, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread, "
                f"{alloc}")
     print(f"# benchmarks/epoch_cpu.py on {machine}")
     rows, loaded = [], {}
-    for name, rule, batch in cells:
+    for name, _, _ in cells:            # every model loads (or is refused) before the first cell runs
         if name not in loaded:
-            loaded[name] = load_model(name)
+            try:
+                loaded[name] = load_model(name)
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"epoch_cpu.py: error: the {name} cells: model "
+                                 f"{MODEL_PATH.get(name, name)!r}: {e}") from None
+    for name, rule, batch in cells:
         print(f"\n## {name}, {rule} rule, batch {batch}", flush=True)
         cell = run_cell(name, loaded[name], rule, batch, args)
         print_rows(cell)

@@ -23,8 +23,20 @@ loop (depth 8..16), which a model with a few layers resolves a link or two per f
 lives come from the task, the confidence of each decision from training.
 
 Grammars (`GRAMMARS`, `exec:grammar=G` as a task name): "full" (the forms above, the task `exec`), "arith" (only
-v=(x op y)%10, no list: the grammar the bundled exec-masked model is trained on), "counter" (v=(v+k)%10) and "copy"
-(no loop) -- the simpler ones are what the learnability probe (benchmarks/exec_probe.py) starts from.
+v=(x op y)%10, no list), "counter" (v=(v+k)%10 with k a constant), "copy" (no loop), and the two "acc" grammars,
+whose function takes the step as its last argument and whose every value is a function of two values at fixed
+places:
+
+    def f(a,b,k):                "acc": a=(a+b)%10, b=(b+k)%10; "acc-pm": each `+` may be a `-`
+     print(a,b)
+     for i in range(12):
+      a=(a+b)%10
+      b=(b-k)%10
+      print(a,b)
+    f(8,1,3)
+
+The simpler ones are what the learnability probe (benchmarks/exec_probe.py) starts from; docs/models.md ("The exec
+task") says which one the bundled exec model is trained on and why.
 
 Why this shape. Each value is a function of at most three values at fixed places (the line before, or earlier in its
 own line) and of one statement of the program, found by its variable's name; the column of a value names its
@@ -107,6 +119,12 @@ _CMPOPS = {ast.Gt: lambda x, y: x > y, ast.Lt: lambda x, y: x < y, ast.Eq: lambd
 _MAX_LOOP = 64
 
 
+def _params_ok(params: list) -> bool:
+    """f's parameters: a[, b[, c]], optionally followed by the step k (the acc grammars)."""
+    names = params[:-1] if params[-1:] == ["k"] else params
+    return bool(names) and names == list(NAMES[:len(names)])
+
+
 class _Interp:
     """A walker over the AST of one program of the exec grammar (see `run`)."""
 
@@ -132,7 +150,7 @@ class _Interp:
             elif (level == "module" and isinstance(st, ast.FunctionDef) and st.name == "f" and not st.decorator_list
                   and not st.returns and not (st.args.posonlyargs or st.args.vararg or st.args.kwonlyargs
                                               or st.args.kwarg or st.args.defaults)
-                  and [a.arg for a in st.args.args] == list(NAMES[:len(st.args.args)]) and st.args.args
+                  and _params_ok([a.arg for a in st.args.args])
                   and self.func is None):
                 self.func = st
             elif level == "module" and isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) \
@@ -236,20 +254,35 @@ def _counter(rng: random.Random, names: str, v: str, has_list: bool) -> list:
     return [f"{v}=({v}+{rng.randint(1, 9)})%10"]
 
 
+def _acc(rng: random.Random, names: str, v: str, has_list: bool, ops: str = "+") -> list:
+    """v=(v op w)%10 with w the next variable (the last one steps by the argument k): each printed value is a
+    function of two values at fixed places, the program's variation is in its call and its loop length."""
+    i = names.index(v)
+    w = names[i + 1] if i + 1 < len(names) else "k"
+    return [f"{v}=({v}{rng.choice(ops)}{w})%10"]
+
+
+def _acc_pm(rng: random.Random, names: str, v: str, has_list: bool) -> list:
+    return _acc(rng, names, v, has_list, "+-")
+
+
 #: statement generators by grammar: "full" is the task; "arith" (only v=(x op y)%10), "counter" (each variable steps
 #: by its own constant: every program of a size has the same layout) and "copy" (no loop: the answer is the initial
 #: state) are the simpler grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum start from
-GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None}
+GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None, "acc": _acc, "acc-pm": _acc_pm}
+#: grammars whose function takes the step k as its last argument (`def f(a,b,k):`, the call `f(7,4,3)`)
+WITH_K = ("acc", "acc-pm")
 
 
 def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full") -> str:
     """`def f(a,b[,c]):` (print the state, loop `iters` times: update each variable, print the state), then the call
     `f(digits)` -- the initial state is written just before the answer (CRUXEval's layout)."""
     names = NAMES[:n_vars]
-    args = ",".join(str(rng.randint(0, 9)) for _ in names)
+    params = names + ("k" if grammar in WITH_K else "")
+    args = ",".join(str(rng.randint(0, 9) if p != "k" else rng.randint(1, 9)) for p in params)
     head = ("L=[" + ",".join(str(rng.randint(0, 9)) for _ in range(10)) + "]\n") if has_list and grammar == "full" else ""
     pr = f"print({','.join(names)})"
-    lines = [f"def f({','.join(names)}):", f" {pr}"]
+    lines = [f"def f({','.join(params)}):", f" {pr}"]
     if GRAMMARS[grammar] is not None:
         lines.append(f" for i in range({iters}):")
         for v in names:

@@ -18,7 +18,9 @@ def test_bad_output_paths_and_cells_are_refused_up_front(tmp_path):
                          (["--write-benchmarks", str(tmp_path)], "is a folder"),
                          (["--cells", "foo:fixed-k:32"], "model in mini-scaled, tiny-masked"),
                          (["--cells", "mini-scaled:greedy:32"], "rule threshold or fixed-k"),
-                         (["--repeats", "0"], "must be >= 1")):
+                         (["--repeats", "0"], "must be >= 1"),
+                         (["--cells", "mini-scaled:threshold:4,exec-masked:threshold:32", "--exec-masked",
+                           str(tmp_path / "none")], "the exec-masked cells: model")):
         res = _run(*args, timeout=60)
         assert res.returncode != 0 and needle in res.stderr, (args, res.stderr)
         assert "## mini-scaled" not in res.stdout          # nothing ran

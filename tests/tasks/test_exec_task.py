@@ -210,3 +210,30 @@ def test_the_simpler_grammars_are_what_python_prints_and_a_bad_one_is_refused():
     assert copy._seed_key != ExecTask()._seed_key and copy.describe()["grammar"] == "copy"
     with pytest.raises(ValueError, match="exec grammar 'loops'"):
         ExecSizes(grammar="loops")
+
+
+@pytest.mark.parametrize("grammar", ["acc", "acc-pm"])
+def test_the_acc_grammars_take_the_step_as_an_argument_and_are_what_python_prints(grammar):
+    """`def f(a,b,k):` -- each variable steps by the next one, the last by the argument k: what a real Python
+    prints; the step k is 1..9; the split and the determinism hold as for the full grammar."""
+    task = get_task(f"exec:grammar={grammar},vars=2")
+    examples = task.examples("train", 8) + task.examples("test", 8)
+    assert _python_prints(examples) == [e.answer for e in examples]
+    for e in examples:
+        assert e.prompt.startswith("def f(a,b,k):\n") and task.solve(e.prompt) == e
+        k = int(re.search(r"^f\(\d,\d,(\d)\)$", e.prompt, re.M)[1])
+        assert 1 <= k <= 9 and ("b=(b+k)%10" in e.prompt or "b=(b-k)%10" in e.prompt)
+        assert task.split_of(e.prompt) == ("train" if e in examples[:8] else "test")
+    signs = {re.search(r"a=\(a(.)b\)", e.prompt)[1] for e in task.examples("train", 40)}
+    assert signs == ({"+"} if grammar == "acc" else {"+", "-"})
+    assert task.sample("train", 3) == get_task(f"exec:grammar={grammar},vars=2").sample("train", 3)
+
+
+@pytest.mark.parametrize("program, what", [
+    ("def f(k,a):\n print(a)\nf(1,2)\n", "FunctionDef"),            # k only as the last parameter
+    ("def f(k):\n print(k)\nf(1)\n", "FunctionDef"),                 # and never alone
+    ("def f(a,k):\n for i in range(2):\n  k=(k+1)%10\nf(1,2)\n", "assignment to 'k'"),
+])
+def test_the_step_argument_is_read_only_and_last(program, what):
+    with pytest.raises(ValueError, match=re.escape(what)):
+        run(program)
