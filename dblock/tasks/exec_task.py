@@ -47,8 +47,9 @@ iterations: 54..90 -- two or three blocks of 32. Programs whose trace repeats a 
 lines are redrawn (a cycle of a few states is copied, not computed).
 
 Splits, as the arith task: `sample(split, index)` is a pure function of (seed key, split, index); a program belongs to
-`test` iff the SHA-256 of its text falls in the lowest `test_fraction` of the hash range; problems of the other split
-are redrawn. Example.kind is `vars2` / `vars3`; Example.digits (the difficulty grade) is the number of iterations.
+`test` iff the SHA-256 of its text, with the loop length blanked (`range(N)`), falls in the lowest `test_fraction` of
+the hash range -- programs that differ only in their loop length print prefixes of one trace, so they are held out
+together; problems of the other split are redrawn. Example.kind is `vars2` / `vars3`; Example.digits (the difficulty grade) is the number of iterations.
 
 Grading (`grade`): the whole answer exact (the printed lines, trailing whitespace ignored) -- the task's accuracy.
 `score` adds the per-value accuracy (the share of the reference's printed values equal, position by position, to the
@@ -84,6 +85,9 @@ assert len(EXEC_VOCAB) % 8 == 0 and len(set(EXEC_VOCAB)) == len(EXEC_VOCAB), len
 def exec_tokenizer() -> CharTokenizer:
     """The exec models' character tokenizer (a WordLevel `tokenizer.json` that `transformers.AutoTokenizer` loads)."""
     return CharTokenizer(EXEC_VOCAB)
+
+
+_LOOP_LEN = re.compile(r"range\(\d+\)")
 
 
 def _hash(text: str) -> int:
@@ -324,7 +328,7 @@ class ExecTask:
                 "iterations": {str(k): list(v) for k, v in ITERS.items()}, "list_probability": self.sizes_.list_prob,
                 "grammar": self.sizes_.grammar,
                 "distinct_states": DISTINCT,
-                "split": f"test iff SHA-256(program) falls in the lowest {self.test_fraction:g} of the hash range "
+                "split": f"test iff SHA-256(program with range(N) blanked) falls in the lowest {self.test_fraction:g} of the hash range "
                          "(dblock/tasks/exec_task.py, ExecTask.split_of); evaluation uses the test split"}
 
     def sizes(self) -> dict:
@@ -344,7 +348,10 @@ class ExecTask:
         return ExecTask(self.name, self.test_fraction, s)
 
     def split_of(self, prompt: str) -> str:
-        return "test" if _hash(prompt) % 1_000_000 < self.test_fraction * 1_000_000 else "train"
+        """By the hash of the program with its loop length blanked: programs that differ only in `range(N)` print
+        prefixes of one trace, so they fall on the same side (no held-out answer is a prefix of a training one)."""
+        return "test" if _hash(_LOOP_LEN.sub("range(N)", prompt)) % 1_000_000 < self.test_fraction * 1_000_000 \
+            else "train"
 
     def solve(self, prompt: str) -> Example:
         """The reference answer of a program of this grammar (what it prints)."""
