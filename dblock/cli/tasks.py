@@ -26,7 +26,7 @@ MAX_TASK_LEN = 64
 # torch (tests/cli/test_fast_help.py checks they match).
 TRAIN_DEFAULTS = dict(seed=0, size="base", block_size=16, batch_size=32, lr=2e-3, warmup=100, bias_update=1e-3,
                       save_every=200, threads=1, min_lr_frac=0.05, curriculum_steps=0, curriculum_start=2,
-                      noisy_context=0.0, eval_every=0, eval_n=64, vocab_size=2048, window=288,
+                      noisy_context=0.0, suffix_mask=0.0, eval_every=0, eval_n=64, vocab_size=2048, window=288,
                       fused_attention=False)
 LLADA2_SIZE_NAMES = ("base", "code", "code-micro", "micro", "small")   # sorted(LLADA2_SIZES | GEMMA_SIZES)
 
@@ -139,6 +139,10 @@ def add_parser(subparsers):
     t.add_argument("--noisy-context", type=float_arg(0.0, 1.0), default=d.noisy_context,
                    help="probability per example that a block is trained behind a still-noisy predecessor (One "
                         f"Block Ahead's warm-up block; default {d.noisy_context})")
+    t.add_argument("--suffix-mask", type=float_arg(0.0, 1.0), default=d.suffix_mask,
+                   help="llada2_moe: probability per example that the noise masks a suffix of the answer (from a "
+                        "uniform cut on) instead of random positions: the state of a block decoding a dependency "
+                        f"chain left to right (default {d.suffix_mask})")
     t.add_argument("--init-from", default=None, metavar="MODEL",
                    help="start from this model's weights (a folder or bundled name of the same family and --size) "
                         "instead of the seeded init: the second stage of a recipe (default: from scratch)")
@@ -227,7 +231,7 @@ def _code_task(name) -> bool:
 #: --out, --family (which must match), --stop-after, --save-dtype, --threads, --no-progress and --json
 RUN_SETTINGS = ("--minutes", "--steps", "--seed", "--size", "--task", "--add-digits", "--rev-len", "--div-digits",
                 "--block-size", "--batch-size", "--lr", "--warmup", "--bias-update", "--save-every", "--min-lr-frac",
-                "--curriculum-steps", "--curriculum-start", "--noisy-context", "--init-from", "--eval-every",
+                "--curriculum-steps", "--curriculum-start", "--noisy-context", "--suffix-mask", "--init-from", "--eval-every",
                 "--eval-n", "--vocab-size", "--tokenizer", "--window", "--block-warmup", "--fused-attention",
                 "--overwrite")
 TRAIN_RULES = (
@@ -237,6 +241,8 @@ TRAIN_RULES = (
              lambda a, c: a.steps is None),
     FlagRule(("--vocab-size", "--tokenizer", "--window"), "with --task code (the arithmetic tasks use the character "
              "tokenizer, one problem per row)", lambda a, c: _code_task(a.task)),
+    FlagRule("--suffix-mask", "to --family llada2_moe (it shapes the masked-diffusion noise; DiffusionGemma's is "
+             "uniform-state)", lambda a, c: a.family == "llada2_moe"),
     FlagRule(("--bias-update", "--block-warmup"), "to --family llada2_moe (DiffusionGemma's router has no expert bias "
              "and its objective no BD3 blocks)", lambda a, c: a.family == "llada2_moe"),
     FlagRule("--curriculum-start", "with --curriculum-steps N > 0", lambda a, c: a.curriculum_steps > 0),
@@ -273,7 +279,7 @@ def _train(args) -> int:
                       save_every=args.save_every, threads=args.threads, progress=not args.no_progress,
                       div_digits=args.div_digits, min_lr_frac=args.min_lr_frac,
                       curriculum_steps=args.curriculum_steps, curriculum_start=args.curriculum_start,
-                      noisy_context=args.noisy_context, eval_every=args.eval_every, eval_n=args.eval_n,
+                      noisy_context=args.noisy_context, suffix_mask=args.suffix_mask, eval_every=args.eval_every, eval_n=args.eval_n,
                       init_from=args.init_from, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
                       window=args.window, fused_attention=args.fused_attention, save_dtype=args.save_dtype,
                       block_warmup=args.block_warmup)

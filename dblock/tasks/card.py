@@ -117,7 +117,7 @@ def build_card(name: str, summary, result: dict, n: int, extra: Optional[dict] =
         "eval": {k: result[k] for k in keys if k in result},
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}, torch {torch.__version__}",
         "train_config": {k: cfg.get(k) for k in ("window", "batch_size", "lr", "fused_attention", "save_dtype",
-                                                 "noisy_context") if k in cfg},
+                                                 "noisy_context", "suffix_mask") if k in cfg},
     }
     for i, st in enumerate(card["train_stages"][1:], 1):        # a later stage starts from the earlier one's folder
         st["command"] = re.sub(r"--init-from \S+", f"--init-from runs/{stage_names[i - 1]}", st["command"])

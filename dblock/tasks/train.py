@@ -275,7 +275,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
         else:
             x0, prompt = (code_batch_for_step(windows, cfg, step) if windows is not None else
                           batch_for_step(task, tok, cfg, step))
-            xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps, gen)
+            xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps, gen, cfg.suffix_mask)
             warm = (draw_warm_blocks(x0.shape[0], x0.shape[1], cfg.block_size, cfg.noisy_context, gen)
                     if cfg.noisy_context > 0 else None)
             loss, info = diffusion_loss(model, x0, xt, masked, p, prompt, taps, warm=warm,

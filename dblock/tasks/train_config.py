@@ -63,6 +63,8 @@ class TrainConfig:
                                      # and size) instead of the seeded init: a second stage of a recipe
     noisy_context: float = 0.0       # probability per example that a block sees its predecessor still noisy (OBA's
                                      # warm-up block; see `noisy_context_mask` and train_uniform.uniform_loss)
+    suffix_mask: float = 0.0         # llada2_moe: probability per example that the noise masks a suffix of the answer
+                                     # instead of random positions (`train_data.add_noise`)
     eval_every: int = 0              # > 0: held-out accuracy every this many steps (and at the end), in `evals`
     eval_n: int = 64                 # test problems per in-training evaluation
     vocab_size: int = 2048           # task `code`: the byte-level BPE's vocabulary (dblock.tasks.code_corpus)
@@ -119,6 +121,8 @@ def reproduce_command(cfg: TrainConfig, total: int) -> str:
         parts += ["--curriculum-steps", str(cfg.curriculum_steps), "--curriculum-start", str(cfg.curriculum_start)]
     if cfg.noisy_context:
         parts += ["--noisy-context", str(cfg.noisy_context)]
+    if cfg.suffix_mask:
+        parts += ["--suffix-mask", str(cfg.suffix_mask)]
     if cfg.init_from:
         parts += ["--init-from", cfg.init_from]
     if is_code_task(cfg.task):

@@ -160,13 +160,29 @@ def code_rows_for_step(windows, cfg, step: int) -> list:
     return rows
 
 
-def add_noise(x0: torch.Tensor, prompt: torch.Tensor, mask_id: int, eps: float, gen: torch.Generator):
-    """Masked-diffusion forward process. Returns x_t, masked (B, L) bool, p (B,) fp32."""
+def add_noise(x0: torch.Tensor, prompt: torch.Tensor, mask_id: int, eps: float, gen: torch.Generator,
+              suffix: float = 0.0):
+    """Masked-diffusion forward process. Returns x_t, masked (B, L) bool, p (B,) fp32.
+
+    `suffix` > 0 (`train-tiny --suffix-mask`): with that probability per example the mask is instead a suffix of the
+    answer -- every answer position from a cut drawn uniformly over the answer on, none before it -- the state a
+    block is in when it decodes a dependency chain left to right; its p is the masked share of the answer (so the
+    loss weight Σ CE / p / answer length is the mean CE over the masked positions). With `suffix` 0 the draws are
+    those of the plain process, so earlier runs reproduce."""
     B, L = x0.shape
     u = torch.rand((), generator=gen)
     t = (u + torch.arange(B, dtype=torch.float32)) / B            # stratified over the batch, in [0, 1)
     t = t[torch.randperm(B, generator=gen)]
     p = (1 - eps) * t + eps                                        # (B,)
     masked = (torch.rand(B, L, generator=gen) < p[:, None]) & ~prompt
+    if suffix > 0:
+        use = torch.rand(B, generator=gen) < suffix
+        answer = ~prompt
+        n_ans = answer.sum(1)                                       # (B,) answer positions (the prompt is a prefix)
+        start = L - n_ans
+        cut = start + (torch.rand(B, generator=gen) * n_ans).long()     # in [start, L)
+        suf = (torch.arange(L)[None, :] >= cut[:, None]) & answer
+        masked = torch.where(use[:, None], suf, masked)
+        p = torch.where(use, (suf.sum(1) / n_ans.clamp(min=1)).float().clamp(min=eps), p)
     xt = torch.where(masked, torch.full_like(x0, mask_id), x0)
     return xt, masked, p

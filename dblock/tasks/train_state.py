@@ -44,7 +44,7 @@ _INT_BOUNDS = dict(block_size=(1, 4096), batch_size=(1, 65536), steps=(1, 10_000
                    curriculum_start=(1, 64), eval_every=(0, 10_000_000), eval_n=(1, 100_000),
                    vocab_size=(261, 65536), window=(1, 65536), seed=(0, 2 ** 63 - 1), calibrate_steps=(1, 1_000_000),
                    length_chunk=(1, 1_000_000), log_every=(1, 10_000_000))
-_FLOAT_BOUNDS = dict(lr=(0.0, 10.0), min_lr_frac=(0.0, 1.0), bias_update=(0.0, 1e3), noisy_context=(0.0, 1.0),
+_FLOAT_BOUNDS = dict(lr=(0.0, 10.0), min_lr_frac=(0.0, 1.0), bias_update=(0.0, 1e3), noisy_context=(0.0, 1.0), suffix_mask=(0.0, 1.0),
                      minutes=(0.0, 100_000.0), weight_decay=(0.0, 10.0), grad_clip=(0.0, 1e6), eps=(0.0, 1.0))
 MAX_TOTAL_STEPS = 10 ** 9
 

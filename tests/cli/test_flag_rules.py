@@ -59,6 +59,7 @@ OFF = {
     ("--sampling-temperature", "--mask-policy"): ["--model", "tiny-uniform"],
     ("--no-cache",): ["--model", "tiny-uniform"],
     ("--bias-update", "--block-warmup"): ["--family", "diffusion_gemma"],
+    ("--suffix-mask",): ["--family", "diffusion_gemma"],
     ("--allow-unauthenticated",): [],
     ("--duration",): ["--replay", "a.txt"],
     ("--token-ids",): ["--prompts", "ids:1,2"],
@@ -99,7 +100,7 @@ VALUES = {
     "--limit": "5", "--minutes": "1", "--size": "micro", "--task": "arith-small", "--add-digits": "1,2",
     "--rev-len": "1,2", "--div-digits": "2,3", "--block-size": "8", "--batch-size": "2", "--lr": "0.01",
     "--warmup": "1", "--bias-update": "0.01", "--save-every": "2", "--min-lr-frac": "0.1", "--curriculum-steps": "2",
-    "--curriculum-start": "3", "--noisy-context": "0.1", "--init-from": "tiny-masked", "--eval-every": "2",
+    "--curriculum-start": "3", "--noisy-context": "0.1", "--suffix-mask": "0.5", "--init-from": "tiny-masked", "--eval-every": "2",
     "--eval-n": "2", "--vocab-size": "300", "--tokenizer": "tok", "--block-warmup": "1:2", "--fused-attention": None,
     "--overwrite": None, "--schedules-batch": "4", "--allow-unauthenticated": None, "--url": "http://127.0.0.1:9",
     "--rate": "1", "--rates": "1,2", "--duration": "1", "--replay": "a.txt", "--prompts": "task:arith",
@@ -229,7 +230,7 @@ def test_reproduce_commands_pass_the_rules():
     from dblock.tasks.train_config import TrainConfig, reproduce_command
     for cfg in (TrainConfig(out="x"), TrainConfig(out="x", family="diffusion_gemma", bias_update=0.01),
                 TrainConfig(out="x", task="code", curriculum_steps=5, noisy_context=0.2, save_dtype="bfloat16"),
-                TrainConfig(out="x", task="arith-long", div_digits=(2, 4), block_warmup="1:5")):
+                TrainConfig(out="x", task="arith-long", div_digits=(2, 4), block_warmup="1:5", suffix_mask=0.5)):
         args = build_parser().parse_args(shlex.split(reproduce_command(cfg, 10))[1:])
         check_flag_rules(args)
 

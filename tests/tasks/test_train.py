@@ -100,6 +100,17 @@ def test_batch_and_noise():
     # stratified t: one draw per 1/B stratum
     t = (p - 1e-3) / (1 - 1e-3)
     assert sorted((t * 6).floor().long().tolist()) == list(range(6))
+    # --suffix-mask 1: every example's mask is a suffix of its answer (a cut, everything after it), p its share;
+    # with 0 the draws are the plain process's (earlier runs reproduce)
+    xs, ms, ps = add_noise(x0, prompt, tok.mask_id, 1e-3, torch.Generator().manual_seed(0), suffix=1.0)
+    for m, pr, pp in zip(ms.tolist(), prompt.tolist(), ps.tolist()):
+        ans = m[sum(pr):]
+        cut = ans.index(True) if True in ans else len(ans)
+        assert not any(m[:sum(pr)]) and ans == [False] * cut + [True] * (len(ans) - cut)
+        assert abs(pp - max(1e-3, (len(ans) - cut) / len(ans))) < 1e-6
+    assert len({tuple(m) for m in ms.tolist()}) > 1
+    x0s, m0, p0 = add_noise(x0, prompt, tok.mask_id, 1e-3, torch.Generator().manual_seed(0), suffix=0.0)
+    assert torch.equal(m0, masked) and torch.equal(p0, p)
 
 
 def test_config_ids_from_tokenizer():
@@ -150,6 +161,10 @@ def test_determinism_resume_and_export(tmp_path):
     other = train(micro_cfg(tmp_path / "d", seed=1), log=lambda *_: None)
     assert not torch.equal(_state(tmp_path / "d")["model"]["lm_head.weight"], A["model"]["lm_head.weight"])
     assert other["steps_done"] == 4 and "--steps 4" in sa["reproduce"]
+    # --suffix-mask takes effect (other weights from the same seed) and the run says how to reproduce it
+    suf = train(micro_cfg(tmp_path / "s", suffix_mask=1.0), log=lambda *_: None)
+    assert not torch.equal(_state(tmp_path / "s")["model"]["lm_head.weight"], A["model"]["lm_head.weight"])
+    assert "--suffix-mask 1.0" in suf["reproduce"] and "--suffix-mask" not in sa["reproduce"]
     # the export is a loadable HF folder with the char tokenizer and the tokenizer's special ids
     model = dblock.load(str(a))
     cfgj = json.loads((a / "config.json").read_text())
