@@ -103,29 +103,10 @@ def prompts_for(name, model, batch, rule="threshold", max_new=None):
     code-masked: held-out problems of the code task, 64 new tokens (two blocks); exec-masked: held-out programs of
     its card's task, up to 96 new tokens (three blocks); mini-scaled: random prompts of 8-23
     tokens, 64 new tokens (two blocks)."""
-    if name == "code-masked":
-        from dblock.tasks import get_task
-        from dblock.tasks.evaluate import TokenizerAdapter
-        tok = TokenizerAdapter.from_folder(model.source)
-        task = get_task("code")
-        exs = task.examples("test", batch)
-        return [tok.encode(e.prompt) for e in exs], (task, tok, exs), _dec(model, max_new or task.max_new_tokens, rule)
-    if name == "exec-masked":
-        from dblock.tasks import get_task
-        from dblock.tasks.card import task_of
-        from dblock.tasks.evaluate import TokenizerAdapter
-        tok = TokenizerAdapter.from_folder(model.source)
-        task = get_task(task_of(model.source))
-        exs = task.examples("test", batch)
-        return [tok.encode(e.prompt) for e in exs], (task, tok, exs), _dec(model, max_new or task.max_new_tokens, rule)
-    if name == "tiny-masked":
-        from dblock.tasks import get_task
-        from dblock.tasks.evaluate import TokenizerAdapter
-        tok = TokenizerAdapter.from_folder(model.source)
-        from dblock.tasks.card import task_of
-        task = get_task(task_of("tiny-masked"))
-        exs = task.examples("test", batch)
-        return [tok.encode(e.prompt) for e in exs], (task, tok, exs), _dec(model, max_new or 128, rule)
+    if name in ("code-masked", "exec-masked", "tiny-masked"):
+        from dblock.tasks.evaluate import held_out_prompts
+        task, tok, exs, ps = held_out_prompts(model, batch, "code" if name == "code-masked" else None)
+        return ps, (task, tok, exs), _dec(model, max_new or getattr(task, "max_new_tokens", 128), rule)
     g = torch.Generator().manual_seed(batch)
     V = model.config.vocab_size - 2
     ps = [torch.randint(0, V, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist()

@@ -51,13 +51,8 @@ def label(config: str) -> str:
 def measure(model, batch: int, configs: list, repeats: int, calibration_repeats: int = 3) -> list:
     from dblock.tasks import answer_text
     from dblock.tasks.code import bootstrap_ci, paired_bootstrap_ci
-    from dblock.tasks import get_task
-    from dblock.tasks.card import task_of
-    from dblock.tasks.evaluate import TokenizerAdapter
-    tok = TokenizerAdapter.from_folder(model.source)
-    task = get_task(task_of(model.source))            # what the model was trained on (its card)
-    exs = task.examples("test", batch)
-    prompts = [tok.encode(e.prompt) for e in exs]
+    from dblock.tasks.evaluate import held_out_prompts
+    task, tok, exs, prompts = held_out_prompts(model, batch)     # of the task the model was trained on (its card)
     dec = _dec(model, getattr(task, "max_new_tokens", 128), "threshold")
     profiles = calibrate(model, prompts, dec, calibration_repeats)
     runs = {c: [] for c in configs}

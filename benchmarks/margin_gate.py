@@ -26,8 +26,8 @@ sys.path.insert(0, ROOT)
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="code-masked")
-    ap.add_argument("--task", default="code")
+    ap.add_argument("--model", default="code-masked", help="a bundled name or a trained model folder")
+    ap.add_argument("--task", default=None, help="default: the task the model was trained on (its card)")
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--epoch-config", default="epoch")
     ap.add_argument("--bounds", default="0.01,0.03,0.1,0.3,1,2")
@@ -38,22 +38,23 @@ def main():
     from dblock.decoding.params import DecodeConfig
     from dblock.equivalence.audit import audited_epoch_forward
     from dblock.equivalence.shadow import ShadowForward, shadow_generate
-    from dblock.tasks import get_task
+    from dblock.errors import DblockError
     from dblock.tasks.card import decoding_of
-    from dblock.tasks.evaluate import TokenizerAdapter
+    from dblock.tasks.evaluate import held_out_prompts
 
-    model = dblock.load(args.model)
-    tok = TokenizerAdapter.from_folder(model.source)
-    task = get_task(args.task)
-    prompts = [tok.encode(e.prompt) for e in task.examples("test", args.n)]
-    dec = DecodeConfig(max_new_tokens=task.max_new_tokens,
+    try:
+        model = dblock.load(args.model)
+        task, tok, _, prompts = held_out_prompts(model, args.n, args.task)
+    except DblockError as e:
+        raise SystemExit(f"margin_gate.py: error: {e}") from None
+    dec = DecodeConfig(max_new_tokens=getattr(task, "max_new_tokens", 128),
                        threshold_steps=decoding_of(model.source).get("threshold_steps"))
     sh = ShadowForward(audited_epoch_forward(model, args.epoch_config), reference_forward(model))
     shadow_generate(sh, prompts, dec, "native")
     rows = [{"path": r["path"], "dmax": max(r["delta"]), "gmin": min(r["gamma_exact"]), "agree": all(r["agree"])}
             for r in sh.rows if r.get("decision", True)]
     q = torch.tensor([0.5, 0.9, 0.99, 1.0], dtype=torch.float64)
-    print(f"{args.model}, {args.task} n={args.n}, {args.epoch_config}: {len(rows)} block passes")
+    print(f"{args.model}, {task.name} n={args.n}, {args.epoch_config}: {len(rows)} block passes")
     for path in sorted({r["path"] for r in rows}):
         d = torch.tensor([r["dmax"] for r in rows if r["path"] == path], dtype=torch.float64)
         print(f"  {path:8s} {d.numel():5d} block passes  max_i ‖ẑ−z‖∞ p50/p90/p99/max "

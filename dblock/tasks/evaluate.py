@@ -63,6 +63,18 @@ def encode_task_prompts(adapter: "TokenizerAdapter", examples, task_name: str, m
     return out
 
 
+def held_out_prompts(model, n: int, task_name: Optional[str] = None) -> tuple:
+    """(task, tokenizer adapter, examples, prompt ids) of the first `n` held-out problems of `task_name` -- by default
+    the task the model was trained on (its card) -- encoded by the model's own tokenizer: what the benchmarks decode."""
+    from dblock.tasks import get_task
+    from dblock.tasks.card import task_of
+    name = task_name or task_of(model.source)
+    tok = TokenizerAdapter.from_folder(model.source)
+    task = get_task(name)
+    exs = task.examples("test", n)
+    return task, tok, exs, encode_task_prompts(tok, exs, name, model.source)
+
+
 def prompts_and_grader(task, adapter: "TokenizerAdapter", examples) -> tuple:
     """(token-id prompts, grader) for held-out `examples` of `task`: `grader(prompt_ids, output_ids)` is what
     `compare_schedules` takes -- True/False on an arithmetic task; on the code task {"correct": next line exact,
