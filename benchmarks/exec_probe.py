@@ -13,7 +13,13 @@ is 0.1.
     .venv/bin/python benchmarks/exec_probe.py --grammar copy --steps 400              # a bare copy: learns
     .venv/bin/python benchmarks/exec_probe.py --grammar full --cap 0:1,300:2 --steps 900
 
-Nothing is saved; one thread; never used by tests; no timing claim (the seconds printed are wall time).
+`--inspect RUN` trains nothing: it prints, as JSON, the cloze per line and per variable and the rule test
+(`rule_test`: is line 5 right when every line before it but the last is scrambled, and does it follow a changed k?
+The rule needs only the line before; an extrapolation of the lines needs more) of a train-tiny run's checkpoint:
+
+    .venv/bin/python benchmarks/exec_probe.py --inspect runs/exec-acc --eval-n 24
+
+Nothing is saved; one thread; no timing claim (the seconds printed are wall time).
 """
 from __future__ import annotations
 
@@ -48,8 +54,9 @@ def stage_at(schedule: list, step: int) -> tuple:
     return stage
 
 
-def cloze(model, tok, task, n: int, ar: bool) -> dict:
-    """Value accuracy per answer line on `n` held-out programs (see the module docstring)."""
+def cloze(model, tok, task, n: int, ar: bool, by_column: bool = False) -> dict:
+    """Value accuracy per answer line on `n` held-out programs (see the module docstring); `by_column` adds
+    `line1a`, `line1b`, ...: per variable."""
     from dblock.tasks.bd3 import bd3_mask
     from dblock.tasks.train_model import set_fused_attention
     model.eval()
@@ -78,12 +85,94 @@ def cloze(model, tok, task, n: int, ar: bool) -> dict:
                 pred = model.logits(h[b, vals]).argmax(-1)
                 for j, v in enumerate(vals):
                     ok = int(pred[j] == x0[v])
-                    for key in (f"line{min(k, 3)}", "all"):
+                    for key in (f"line{min(k, 3)}", "all") + ((f"line{min(k, 3)}{'abc'[j]}",) if by_column else ()):
                         hits[key][0] += ok
                         hits[key][1] += 1
     model.train()
     set_fused_attention(model, True)
     return {k: round(x / y, 3) for k, (x, y) in sorted(hits.items())}
+
+
+def _forward_at(model, tok, prompt: str, answer_lines: list, pos_line: int) -> list:
+    """argmax at the values of line `pos_line`, with that line and every later one masked and the lines before it
+    as given (which may differ from the program's own)."""
+    from dblock.tasks.bd3 import bd3_mask
+    C = model.config.block_size
+    p = tok.encode(prompt)
+    x0 = torch.tensor(p + tok.encode("".join(ln + "\n" for ln in answer_lines)) + [tok.eos_id])
+    L = -(-len(x0) // C) * C
+    x0 = torch.cat([x0, torch.full((L - len(x0),), tok.eos_id)])
+    pos = len(p) + sum(len(ln) + 1 for ln in answer_lines[:pos_line])
+    xt = x0.clone()
+    xt[pos:] = tok.mask_id
+    h, _ = model(torch.cat([xt, x0])[None], torch.arange(L).repeat(2)[None], bd3_mask(L, C)[None])
+    n_vals = len(answer_lines[pos_line].split())
+    return [tok.decode([int(t)]) for t in model.logits(h[0, [pos + 2 * j for j in range(n_vals)]]).argmax(-1)]
+
+
+def rule_test(model, tok, task, n: int, line: int = 5, seed: int = 0) -> dict:
+    """Does the model apply the program's rule or extrapolate the lines before? Value accuracy at answer line `line`
+    (its own and every later line masked) on `n` held-out programs with at least line + 1 lines: `intact` (the
+    program's own earlier lines), `history_scrambled` (every earlier line but the one just before replaced by random
+    digits: the rule needs only that one, an extrapolation needs more), and for grammars with the step argument k
+    `k_changed` (the call's k replaced, the earlier lines kept: the rule's answer is one iteration from the line
+    before with the new k, an extrapolation of the lines gives the old one)."""
+    import random
+    import re
+
+    from dblock.tasks.exec_task import run
+    from dblock.tasks.train_model import set_fused_attention
+    model.eval()
+    set_fused_attention(model, False)
+    rng = random.Random(seed)
+    hits = collections.defaultdict(lambda: [0, 0])
+    exs = [e for e in task.examples("test", 4 * n) if e.answer.count("\n") > line][:n]
+    with torch.no_grad():
+        for e in exs:
+            lines = e.answer.split("\n")[:-1]
+            cases = {"intact": (e.prompt, lines, lines)}
+            scr = [" ".join(str(rng.randint(0, 9)) for _ in ln.split()) for ln in lines[:line - 1]]
+            cases["history_scrambled"] = (e.prompt, scr + lines[line - 1:], lines)
+            call = re.search(r"^f\((\d(?:,\d)*)\)$", e.prompt, re.M)
+            if re.search(r"^def f\([a-c,]+,k\):", e.prompt, re.M) and call:
+                # the call's k changed, the program's own earlier lines kept: the rule's next line is one iteration
+                # from the line before with the new k; an extrapolation of the history gives the old one
+                k = str(int(call[1].split(",")[-1]) % 9 + 1)
+                prog = e.prompt[:call.start()] + f"f({','.join(call[1].split(',')[:-1] + [k])})" + \
+                    e.prompt[call.end():]
+                step = e.prompt[:call.start()] + f"f({','.join(lines[line - 1].split() + [k])})" + \
+                    e.prompt[call.end():]
+                nxt = run(re.sub(r"range\(\d+\)", "range(1)", step)).split("\n")[1]
+                cases["k_changed"] = (prog, lines, lines[:line] + [nxt])
+            for name, (prog, given, want) in cases.items():
+                got = _forward_at(model, tok, prog, given[:line] + want[line:line + 1], line)
+                for g, w in zip(got, want[line].split()):
+                    hits[name][0] += int(g == w)
+                    hits[name][1] += 1
+    return {k: round(x / y, 3) for k, (x, y) in hits.items()} | {"programs": len(exs), "line": line}
+
+
+def inspect(run_dir: str, n: int) -> dict:
+    """The cloze (per line and variable) and the rule test of a train-tiny run's latest checkpoint."""
+    import dataclasses
+
+    from dblock.tasks import get_task
+    from dblock.tasks.exec_task import exec_tokenizer
+    from dblock.tasks.train import make_optimizer
+    from dblock.tasks.train_config import TrainConfig
+    from dblock.tasks.train_model import build_model
+    from dblock.tasks.train_state import read, state_path
+    st = read(state_path(run_dir))
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in st.config.items() if k in fields})
+    if not cfg.task.startswith("exec"):
+        raise SystemExit(f"exec_probe.py: error: --inspect {run_dir}: a run of task {cfg.task!r}, not exec")
+    tok = exec_tokenizer()
+    model = build_model(cfg, tok)
+    st.restore(model, make_optimizer(model, cfg))
+    task = get_task(cfg.task)
+    return {"run": run_dir, "task": cfg.task, "step": st.step, "cloze": cloze(model, tok, task, n, False, True),
+            "rule_test": rule_test(model, tok, task, n)}
 
 
 def main() -> int:
@@ -102,8 +191,15 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--every", type=int, default=100, help="evaluate every this many steps")
     ap.add_argument("--eval-n", type=int, default=32, help="held-out programs per evaluation")
+    ap.add_argument("--inspect", default=None, metavar="RUN",
+                    help="no training: the cloze per line and variable and the rule test (`rule_test`) of a "
+                         "train-tiny run's latest checkpoint (RUN/train_state.st), as JSON")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.inspect:
+        import json
+        print(json.dumps(inspect(a.inspect, a.eval_n)))
+        return 0
 
     import torch.nn.functional as F
     from dblock.tasks.bd3 import bd3_mask
