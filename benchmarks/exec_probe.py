@@ -54,6 +54,14 @@ def stage_at(schedule: list, step: int) -> tuple:
     return stage
 
 
+def _padded(tok, prompt: str, answer: str, C: int) -> tuple:
+    """(prompt + answer + <eos> as ids, padded with <eos> to whole blocks of C; the prompt's length)."""
+    p = tok.encode(prompt)
+    x0 = torch.tensor(p + tok.encode(answer) + [tok.eos_id])
+    L = -(-len(x0) // C) * C
+    return torch.cat([x0, torch.full((L - len(x0),), tok.eos_id)]), len(p)
+
+
 def cloze(model, tok, task, n: int, ar: bool, by_column: bool = False) -> dict:
     """Value accuracy per answer line on `n` held-out programs (see the module docstring); `by_column` adds
     `line1a`, `line1b`, ...: per variable."""
@@ -65,11 +73,9 @@ def cloze(model, tok, task, n: int, ar: bool, by_column: bool = False) -> dict:
     C = model.config.block_size
     with torch.no_grad():
         for e in task.examples("test", n):
-            p = tok.encode(e.prompt)
-            x0 = torch.tensor(p + tok.encode(e.answer) + [tok.eos_id])
-            L = -(-len(x0) // C) * C
-            x0 = torch.cat([x0, torch.full((L - len(x0),), tok.eos_id)])
-            rows, where, pos = [], [], len(p)
+            x0, pos = _padded(tok, e.prompt, e.answer, C)
+            L = len(x0)
+            rows, where = [], []
             for k, line in enumerate(e.answer.split("\n")[:-1]):
                 vals = [pos + 2 * j for j in range(len(line.split()))]
                 xt = x0.clone()
@@ -97,12 +103,9 @@ def _forward_at(model, tok, prompt: str, answer_lines: list, pos_line: int) -> l
     """argmax at the values of line `pos_line`, with that line and every later one masked and the lines before it
     as given (which may differ from the program's own)."""
     from dblock.tasks.bd3 import bd3_mask
-    C = model.config.block_size
-    p = tok.encode(prompt)
-    x0 = torch.tensor(p + tok.encode("".join(ln + "\n" for ln in answer_lines)) + [tok.eos_id])
-    L = -(-len(x0) // C) * C
-    x0 = torch.cat([x0, torch.full((L - len(x0),), tok.eos_id)])
-    pos = len(p) + sum(len(ln) + 1 for ln in answer_lines[:pos_line])
+    x0, n_prompt = _padded(tok, prompt, "".join(ln + "\n" for ln in answer_lines), model.config.block_size)
+    L, C = len(x0), model.config.block_size
+    pos = n_prompt + sum(len(ln) + 1 for ln in answer_lines[:pos_line])
     xt = x0.clone()
     xt[pos:] = tok.mask_id
     h, _ = model(torch.cat([xt, x0])[None], torch.arange(L).repeat(2)[None], bd3_mask(L, C)[None])
@@ -120,7 +123,7 @@ def rule_test(model, tok, task, n: int, line: int = 5, seed: int = 0) -> dict:
     import random
     import re
 
-    from dblock.tasks.exec_task import run
+    from dblock.tasks.exec_task import _LOOP_LEN, run
     from dblock.tasks.train_model import set_fused_attention
     model.eval()
     set_fused_attention(model, False)
@@ -142,7 +145,7 @@ def rule_test(model, tok, task, n: int, line: int = 5, seed: int = 0) -> dict:
                     e.prompt[call.end():]
                 step = e.prompt[:call.start()] + f"f({','.join(lines[line - 1].split() + [k])})" + \
                     e.prompt[call.end():]
-                nxt = run(re.sub(r"range\(\d+\)", "range(1)", step)).split("\n")[1]
+                nxt = run(_LOOP_LEN.sub("range(1)", step)).split("\n")[1]
                 cases["k_changed"] = (prog, lines, lines[:line] + [nxt])
             for name, (prog, given, want) in cases.items():
                 got = _forward_at(model, tok, prog, given[:line] + want[line:line + 1], line)
@@ -159,13 +162,13 @@ def inspect(run_dir: str, n: int) -> dict:
     from dblock.tasks import get_task
     from dblock.tasks.exec_task import exec_tokenizer
     from dblock.tasks.train import make_optimizer
-    from dblock.tasks.train_config import TrainConfig
+    from dblock.tasks.train_config import TrainConfig, is_exec_task
     from dblock.tasks.train_model import build_model
     from dblock.tasks.train_state import read, state_path
     st = read(state_path(run_dir))
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in st.config.items() if k in fields})
-    if not cfg.task.startswith("exec"):
+    if not is_exec_task(cfg.task):
         raise SystemExit(f"exec_probe.py: error: --inspect {run_dir}: a run of task {cfg.task!r}, not exec")
     tok = exec_tokenizer()
     model = build_model(cfg, tok)
