@@ -123,7 +123,7 @@ def rule_test(model, tok, task, n: int, line: int = 5, seed: int = 0) -> dict:
     import random
     import re
 
-    from dblock.tasks.exec_task import _LOOP_LEN, run
+    from dblock.tasks.exec_task import _LOOP_LEN, WITH_K, run
     from dblock.tasks.train_model import set_fused_attention
     model.eval()
     set_fused_attention(model, False)
@@ -137,7 +137,7 @@ def rule_test(model, tok, task, n: int, line: int = 5, seed: int = 0) -> dict:
             scr = [" ".join(str(rng.randint(0, 9)) for _ in ln.split()) for ln in lines[:line - 1]]
             cases["history_scrambled"] = (e.prompt, scr + lines[line - 1:], lines)
             call = re.search(r"^f\((\d(?:,\d)*)\)$", e.prompt, re.M)
-            if re.search(r"^def f\([a-c,]+,k\):", e.prompt, re.M) and call:
+            if task.sizes_.grammar in WITH_K and call:
                 # the call's k changed, the program's own earlier lines kept: the rule's next line is one iteration
                 # from the line before with the new k; an extrapolation of the history gives the old one
                 k = str(int(call[1].split(",")[-1]) % 9 + 1)

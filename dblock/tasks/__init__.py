@@ -38,7 +38,7 @@ def base_task(name: str) -> str:
 def get_task(name: str, **kwargs):
     if base_task(name) == "exec":
         from dblock.tasks.exec_task import ExecTask
-        from dblock.tasks.exec_task import GRAMMARS, ExecSizes
+        from dblock.tasks.exec_task import FIXED_VARS, GRAMMARS, ExecSizes
         if kwargs:
             raise ValueError(f"task exec: size options {sorted(kwargs)} apply to the arith tasks only")
         if name == "exec":
@@ -54,9 +54,13 @@ def get_task(name: str, **kwargs):
             opts[key] = val
         if opts.get("grammar", "full") not in GRAMMARS or opts.get("vars", "2") not in ("1", "2", "3"):
             raise ValueError(bad)
-        sizes = ExecSizes(grammar=opts.get("grammar", "full"))
+        grammar = opts.get("grammar", "full")
         if "vars" in opts:
-            sizes = ExecSizes(vars_=(int(opts["vars"]),), grammar=sizes.grammar)
+            sizes = ExecSizes(vars_=(int(opts["vars"]),), grammar=grammar)
+        elif grammar in FIXED_VARS:
+            sizes = ExecSizes(vars_=(FIXED_VARS[grammar],), grammar=grammar)
+        else:
+            sizes = ExecSizes(grammar=grammar)
         return ExecTask(name=name, sizes=sizes)
     if base_task(name) == "code":
         from dblock.tasks.code import CodeTask

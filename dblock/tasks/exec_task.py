@@ -35,6 +35,19 @@ places:
       print(a,b)
     f(8,1,3)
 
+and the two "chain" grammars: one fixed program of three variables, whose branch makes the trace piecewise (no
+column of it is a polynomial to extrapolate); "chain" writes the step 7, "chain-k" takes it as the argument k:
+
+    def f(a,b,c,k):
+     print(a,b,c)
+     for i in range(10):
+      a=(a+b)%10
+      if a>c:b=(b+c)%10
+      else:b=(b+k)%10
+      c=(c+a)%10
+      print(a,b,c)
+    f(1,1,8,7)
+
 The simpler ones are what the learnability probe (benchmarks/exec_probe.py) starts from; docs/models.md ("The exec
 task") says which one the bundled exec model is trained on and why.
 
@@ -270,12 +283,29 @@ def _acc_pm(rng: random.Random, names: str, v: str, has_list: bool) -> list:
     return _acc(rng, names, v, has_list, "+-")
 
 
+#: the loop body of the chain grammars, by variable ("K": 7 in "chain", the argument k in "chain-k")
+CHAIN_BODY = {"a": ["a=(a+b)%10"], "b": ["if a>c:b=(b+c)%10", "else:b=(b+K)%10"], "c": ["c=(c+a)%10"]}
+
+
+def _chain(rng: random.Random, names: str, v: str, has_list: bool, step: str = "7") -> list:
+    """One fixed program of three variables (the branch of b makes the trace piecewise, no polynomial): every value
+    is a function of at most three values at fixed places, the line before or earlier in its own line."""
+    return [ln.replace("K", step) for ln in CHAIN_BODY[v]]
+
+
+def _chain_k(rng: random.Random, names: str, v: str, has_list: bool) -> list:
+    return _chain(rng, names, v, has_list, "k")
+
+
 #: statement generators by grammar: "full" is the task; "arith" (only v=(x op y)%10), "counter" (each variable steps
 #: by its own constant: every program of a size has the same layout) and "copy" (no loop: the answer is the initial
 #: state) are the simpler grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum start from
-GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None, "acc": _acc, "acc-pm": _acc_pm}
+GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None, "acc": _acc, "acc-pm": _acc_pm,
+            "chain": _chain, "chain-k": _chain_k}
 #: grammars whose function takes the step k as its last argument (`def f(a,b,k):`, the call `f(7,4,3)`)
-WITH_K = ("acc", "acc-pm")
+WITH_K = ("acc", "acc-pm", "chain-k")
+#: grammars written for one number of variables (the task's default for them)
+FIXED_VARS = {"chain": 3, "chain-k": 3}
 
 
 def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full") -> str:
@@ -310,6 +340,9 @@ class ExecSizes:
     def __post_init__(self):
         if self.grammar not in GRAMMARS:
             raise ValueError(f"exec grammar {self.grammar!r}: expected one of {', '.join(GRAMMARS)}")
+        if self.grammar in FIXED_VARS and tuple(self.vars_) != (FIXED_VARS[self.grammar],):
+            raise ValueError(f"exec grammar {self.grammar!r} has {FIXED_VARS[self.grammar]} variables, "
+                             f"not {', '.join(map(str, self.vars_))}")
 
 
 class ExecTask:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dblock.tasks import get_task
-from dblock.tasks.exec_task import DISTINCT, ITERS, MAX_ANSWER, ExecTask, exec_tokenizer, run
+from dblock.tasks.exec_task import CHAIN_BODY, DISTINCT, ITERS, MAX_ANSWER, ExecTask, exec_tokenizer, run
 
 
 def _python_prints(examples) -> list:
@@ -235,6 +235,28 @@ def test_the_acc_grammars_take_the_step_as_an_argument_and_are_what_python_print
     signs = {re.search(r"a=\(a(.)b\)", e.prompt)[1] for e in task.examples("train", 40)}
     assert signs == ({"+"} if grammar == "acc" else {"+", "-"})
     assert task.sample("train", 3) == get_task(f"exec:grammar={grammar},vars=2").sample("train", 3)
+
+
+@pytest.mark.parametrize("grammar", ["chain", "chain-k"])
+def test_the_chain_grammars_are_one_program_of_three_variables_and_what_python_prints(grammar):
+    """One fixed loop body (a branch on a>c, so the trace is piecewise): what a real Python prints; three variables
+    whatever the task name says; chain-k takes the else-branch's step as its argument k (1..9), chain writes 7."""
+    task = get_task(f"exec:grammar={grammar}")
+    assert task.sizes_.vars_ == (3,)
+    examples = task.examples("train", 8) + task.examples("test", 8)
+    assert _python_prints(examples) == [e.answer for e in examples]
+    body = "\n".join("  " + ln for v in "abc" for ln in CHAIN_BODY[v])
+    for e in examples:
+        assert task.solve(e.prompt) == e and e.kind == "vars3"
+        if grammar == "chain":
+            assert e.prompt.startswith("def f(a,b,c):\n") and body.replace("K", "7") in e.prompt
+        else:
+            assert e.prompt.startswith("def f(a,b,c,k):\n") and body.replace("K", "k") in e.prompt
+            assert 1 <= int(re.search(r"^f\(\d,\d,\d,(\d)\)$", e.prompt, re.M)[1]) <= 9
+        lines = e.answer.split("\n")[:-1]
+        assert len(set(lines[:DISTINCT])) == DISTINCT and 54 <= len(e.answer) <= MAX_ANSWER - 1
+    with pytest.raises(ValueError, match=f"exec grammar '{grammar}' has 3 variables, not 2"):
+        get_task(f"exec:grammar={grammar},vars=2")
 
 
 @pytest.mark.parametrize("program, what", [
