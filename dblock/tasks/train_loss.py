@@ -28,20 +28,31 @@ def noisy_context_mask(L: int, C: int, warm: torch.Tensor) -> torch.Tensor:
     return torch.where(row_warm[:, :, None], warm_view[None], base[None])
 
 
-def diffusion_loss(model, x0, xt, masked, p, prompt, taps=None, warm=None, block_size=None):
+def _prompt_blocks(prompt: torch.Tensor, C: int) -> int:
+    """How many leading blocks of C are prompt in every example of the batch (prompt: (B, L) bool)."""
+    first_answer = torch.where(prompt.all(1), prompt.shape[1], (~prompt).int().argmax(1))
+    return int(first_answer.min()) // C
+
+
+def diffusion_loss(model, x0, xt, masked, p, prompt, taps=None, warm=None, block_size=None, trim=True):
     """LLaDA SFT loss with the BD3 mask: mean over examples of sum_masked CE/p / answer-region length.
     `warm` (B,) long: per example the block trained with the warm-up view (`noisy_context_mask`), -1 none.
-    `block_size`: the BD3 block of this step (default the model's; see `block_size_at`)."""
+    `block_size`: the BD3 block of this step (default the model's; see `block_size_at`). `trim`: leave out the noisy
+    copies of the blocks that are all prompt (the same loss and gradient; False runs the whole [x_t ; x_0])."""
     B, L = x0.shape
     C = block_size or model.config.block_size
-    tokens = torch.cat([xt, x0], dim=1)                                   # (B, 2L)
-    positions = torch.arange(L).repeat(2)[None].expand(B, 2 * L)          # (B, 2L)
+    # The noisy copy of a block that is prompt in every example is attended only by itself and carries no loss:
+    # leaving it out of the forward changes no output row (the prompt-heavy exec batches run a quarter fewer rows).
+    # Only the expert-load taps differ: they no longer count those duplicate prompt rows.
+    d = _prompt_blocks(prompt, C) * C if trim and warm is None else 0
+    tokens = torch.cat([xt[:, d:], x0], dim=1)                            # (B, 2L - d)
+    positions = torch.cat([torch.arange(d, L), torch.arange(L)])[None].expand(B, 2 * L - d)
     if warm is None:
-        mask = bd3_mask(L, C)[None].expand(B, 2 * L, 2 * L)               # (B, 2L, 2L)
+        mask = bd3_mask(L, C)[d:, d:][None].expand(B, 2 * L - d, 2 * L - d)
     else:
         mask = noisy_context_mask(L, C, warm)
     hidden, _ = model(tokens, positions, mask, taps=taps)
-    rows = hidden[:, :L][masked]                                          # (M, H) masked noisy rows
+    rows = hidden[:, :L - d][masked[:, d:]]                               # (M, H) masked noisy rows
     logits = model.logits(rows)                                           # (M, V) fp32
     ce = F.cross_entropy(logits, x0[masked], reduction="none")            # (M,)
     ex = masked.nonzero(as_tuple=True)[0]                                 # example of each masked row

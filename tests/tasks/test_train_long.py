@@ -165,3 +165,27 @@ def test_in_training_eval_keeps_the_weights(tmp_path):
     e = sa["evals"][-1]
     assert 0 <= e["accuracy"] <= 1 and set(e["accuracy_by_kind"]) <= {"add", "div", "rev"}
     assert e["passes_per_block_mean"] >= 1 and e["loss"] is not None
+
+
+def test_leaving_out_the_noisy_copies_of_prompt_blocks_changes_no_loss_or_gradient():
+    """The exec programs fill whole blocks of prompt: the loss runs without their noisy copies (nothing else attends
+    to them and they carry no loss) -- the same loss and the same gradient as over the whole [x_t ; x_0]."""
+    from dblock.tasks.exec_task import exec_tokenizer
+    from dblock.tasks.train_loss import _prompt_blocks
+    cfg = micro_cfg("/unused", task="exec:grammar=chain-k", block_size=8, batch_size=4)
+    tok, task = exec_tokenizer(), make_task(cfg)
+    model = build_model(cfg, tok)
+    x0, prompt = batch_for_step(task, tok, cfg, 3)
+    assert _prompt_blocks(prompt, 8) == int(prompt.sum(1).min()) // 8 >= 10      # programs of 130+ characters
+    xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps, torch.Generator().manual_seed(0))
+    grads = []
+    for trim in (True, False):
+        model.zero_grad()
+        loss, info = diffusion_loss(model, x0, xt, masked, p, prompt, trim=trim, block_size=8)
+        loss.backward()
+        grads.append((loss.item(), info["masked"], [q.grad.clone() for q in model.parameters() if q.grad is not None]))
+    (l1, m1, g1), (l2, m2, g2) = grads
+    assert m1 == m2 == int(masked.sum()) > 0 and l1 == pytest.approx(l2, rel=1e-5)
+    assert len(g1) == len(g2) and all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(g1, g2))
+    assert _prompt_blocks(torch.zeros(2, 16, dtype=torch.bool), 8) == 0              # no prompt: nothing left out
+    assert _prompt_blocks(torch.ones(2, 16, dtype=torch.bool), 8) == 2
