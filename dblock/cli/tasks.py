@@ -28,7 +28,7 @@ TRAIN_DEFAULTS = dict(seed=0, size="base", block_size=16, batch_size=32, lr=2e-3
                       save_every=200, threads=1, min_lr_frac=0.05, curriculum_steps=0, curriculum_start=2,
                       noisy_context=0.0, suffix_mask=0.0, eval_every=0, eval_n=64, vocab_size=2048, window=288,
                       fused_attention=False)
-LLADA2_SIZE_NAMES = ("base", "code", "code-micro", "micro", "small")   # sorted(LLADA2_SIZES | GEMMA_SIZES)
+LLADA2_SIZE_NAMES = ("base", "code", "code-micro", "exec", "micro", "small")   # sorted(LLADA2_SIZES | GEMMA_SIZES)
 
 
 def _pair(s: str) -> tuple:

@@ -25,6 +25,10 @@ LLADA2_SIZES = {
     "code": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  intermediate_size=384, moe_intermediate_size=96, num_experts=64, num_experts_per_tok=8,
                  num_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4),
+    # the same routing with narrow experts (a third of the code shape's expert compute per token): the exec models
+    "exec": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 intermediate_size=384, moe_intermediate_size=32, num_experts=64, num_experts_per_tok=8,
+                 num_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4),
     # the same routing at test scale (seconds per step)
     "code-micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=16, intermediate_size=64, moe_intermediate_size=8, num_experts=16,
