@@ -62,9 +62,9 @@ def _padded(tok, prompt: str, answer: str, C: int) -> tuple:
     return torch.cat([x0, torch.full((L - len(x0),), tok.eos_id)]), len(p)
 
 
-def cloze(model, tok, task, n: int, ar: bool, by_column: bool = False) -> dict:
+def cloze(model, tok, task, n: int, ar: bool, by_column: bool = False, block: int | None = None) -> dict:
     """Value accuracy per answer line on `n` held-out programs (see the module docstring); `by_column` adds
-    `line1a`, `line1b`, ...: per variable."""
+    `line1a`, `line1b`, ...: per variable. `block`: the BD3 block of the view (default the model's; `ar`: 1)."""
     from dblock.tasks.bd3 import bd3_mask
     from dblock.tasks.train_model import set_fused_attention
     model.eval()
@@ -85,7 +85,7 @@ def cloze(model, tok, task, n: int, ar: bool, by_column: bool = False) -> dict:
                 pos += len(line) + 1
             X = torch.stack(rows)
             B = X.shape[0]
-            mask = bd3_mask(L, 1 if ar else C)[None].expand(B, 2 * L, 2 * L)
+            mask = bd3_mask(L, 1 if ar else (block or C))[None].expand(B, 2 * L, 2 * L)
             h, _ = model(X, torch.arange(L).repeat(2)[None].expand(B, 2 * L), mask)
             for b, (k, vals) in enumerate(where):
                 pred = model.logits(h[b, vals]).argmax(-1)
@@ -99,21 +99,21 @@ def cloze(model, tok, task, n: int, ar: bool, by_column: bool = False) -> dict:
     return {k: round(x / y, 3) for k, (x, y) in sorted(hits.items())}
 
 
-def _forward_at(model, tok, prompt: str, answer_lines: list, pos_line: int) -> list:
+def _forward_at(model, tok, prompt: str, answer_lines: list, pos_line: int, block: int | None = None) -> list:
     """argmax at the values of line `pos_line`, with that line and every later one masked and the lines before it
-    as given (which may differ from the program's own)."""
+    as given (which may differ from the program's own); `block`: the BD3 block of the view (default the model's)."""
     from dblock.tasks.bd3 import bd3_mask
     x0, n_prompt = _padded(tok, prompt, "".join(ln + "\n" for ln in answer_lines), model.config.block_size)
     L, C = len(x0), model.config.block_size
     pos = n_prompt + sum(len(ln) + 1 for ln in answer_lines[:pos_line])
     xt = x0.clone()
     xt[pos:] = tok.mask_id
-    h, _ = model(torch.cat([xt, x0])[None], torch.arange(L).repeat(2)[None], bd3_mask(L, C)[None])
+    h, _ = model(torch.cat([xt, x0])[None], torch.arange(L).repeat(2)[None], bd3_mask(L, block or C)[None])
     n_vals = len(answer_lines[pos_line].split())
     return [tok.decode([int(t)]) for t in model.logits(h[0, [pos + 2 * j for j in range(n_vals)]]).argmax(-1)]
 
 
-def rule_test(model, tok, task, n: int, line: int = 5, seed: int = 0) -> dict:
+def rule_test(model, tok, task, n: int, line: int = 5, seed: int = 0, block: int | None = None) -> dict:
     """Does the model apply the program's rule or extrapolate the lines before? Value accuracy at answer line `line`
     (its own and every later line masked) on `n` held-out programs with at least line + 1 lines: `intact` (the
     program's own earlier lines), `history_scrambled` (every earlier line but the one just before replaced by random
@@ -148,7 +148,7 @@ def rule_test(model, tok, task, n: int, line: int = 5, seed: int = 0) -> dict:
                 nxt = run(_LOOP_LEN.sub("range(1)", step)).split("\n")[1]
                 cases["k_changed"] = (prog, lines, lines[:line] + [nxt])
             for name, (prog, given, want) in cases.items():
-                got = _forward_at(model, tok, prog, given[:line] + want[line:line + 1], line)
+                got = _forward_at(model, tok, prog, given[:line] + want[line:line + 1], line, block)
                 for g, w in zip(got, want[line].split()):
                     hits[name][0] += int(g == w)
                     hits[name][1] += 1
@@ -156,13 +156,15 @@ def rule_test(model, tok, task, n: int, line: int = 5, seed: int = 0) -> dict:
 
 
 def inspect(run_dir: str, n: int) -> dict:
-    """The cloze (per line and variable) and the rule test of a train-tiny run's latest checkpoint."""
+    """The cloze (per line and variable) and the rule test of a train-tiny run's latest checkpoint, in the BD3 view
+    the run trains at its step (`--block-warmup`: block 1 is next-token prediction)."""
     import dataclasses
 
     from dblock.tasks import get_task
     from dblock.tasks.exec_task import exec_tokenizer
     from dblock.tasks.train import make_optimizer
     from dblock.tasks.train_config import TrainConfig, is_exec_task
+    from dblock.tasks.train_data import block_size_at
     from dblock.tasks.train_model import build_model
     from dblock.tasks.train_state import read, state_path
     st = read(state_path(run_dir))
@@ -174,8 +176,9 @@ def inspect(run_dir: str, n: int) -> dict:
     model = build_model(cfg, tok)
     st.restore(model, make_optimizer(model, cfg))
     task = get_task(cfg.task)
-    return {"run": run_dir, "task": cfg.task, "step": st.step, "cloze": cloze(model, tok, task, n, False, True),
-            "rule_test": rule_test(model, tok, task, n)}
+    block = block_size_at(cfg, st.step)
+    return {"run": run_dir, "task": cfg.task, "step": st.step, "block": block,
+            "cloze": cloze(model, tok, task, n, False, True, block), "rule_test": rule_test(model, tok, task, n, block=block)}
 
 
 def main() -> int:
