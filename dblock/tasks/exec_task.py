@@ -48,6 +48,10 @@ column of it is a polynomial to extrapolate); "chain" writes the step 7, "chain-
       print(a,b,c)
     f(1,1,8,7)
 
+and "chain-u", whose every value is a map of one value at a fixed place (`a=(b*3+1)%10`, `b=(c+7)%10`,
+`if a>4:c=(a*7)%10` / `else:c=(a+3)%10`): a sum mod 10 of two uniform digits says nothing about either alone, so a
+model gets no gradient toward reading one operand before it reads both; a map of one value does.
+
 The simpler ones are what the learnability probe (benchmarks/exec_probe.py) starts from; docs/models.md ("The exec
 task") says which one the bundled exec model is trained on and why.
 
@@ -297,15 +301,24 @@ def _chain_k(rng: random.Random, names: str, v: str, has_list: bool) -> list:
     return _chain(rng, names, v, has_list, "k")
 
 
+#: the loop body of "chain-u": every value a function of ONE value at a fixed place (a from the line before's b, b
+#: from its c, c from the new a), each map a permutation of the digits (`*3+1`, `+7`; `*7` / `+3` by the branch)
+CHAIN_U_BODY = {"a": ["a=(b*3+1)%10"], "b": ["b=(c+7)%10"], "c": ["if a>4:c=(a*7)%10", "else:c=(a+3)%10"]}
+
+
+def _chain_u(rng: random.Random, names: str, v: str, has_list: bool) -> list:
+    return list(CHAIN_U_BODY[v])
+
+
 #: statement generators by grammar: "full" is the task; "arith" (only v=(x op y)%10), "counter" (each variable steps
 #: by its own constant: every program of a size has the same layout) and "copy" (no loop: the answer is the initial
 #: state) are the simpler grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum start from
 GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None, "acc": _acc, "acc-pm": _acc_pm,
-            "chain": _chain, "chain-k": _chain_k}
+            "chain": _chain, "chain-k": _chain_k, "chain-u": _chain_u}
 #: grammars whose function takes the step k as its last argument (`def f(a,b,k):`, the call `f(7,4,3)`)
 WITH_K = ("acc", "acc-pm", "chain-k")
 #: grammars written for one number of variables (the task's default for them)
-FIXED_VARS = {"chain": 3, "chain-k": 3}
+FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3}
 
 
 def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full") -> str:
