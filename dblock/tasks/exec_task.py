@@ -50,7 +50,10 @@ column of it is a polynomial to extrapolate); "chain" writes the step 7, "chain-
 
 and "chain-u", whose every value is a map of one value at a fixed place (`a=(b*3+1)%10`, `b=(c+7)%10`,
 `if a>4:c=(a*7)%10` / `else:c=(a+3)%10`): a sum mod 10 of two uniform digits says nothing about either alone, so a
-model gets no gradient toward reading one operand before it reads both; a map of one value does.
+model gets no gradient toward reading one operand before it reads both; a map of one value does. "chain-b" makes
+each variable a map of its own value chosen by a branch on the variable before it (`if c>4:a=(a*3+1)%10` /
+`else:a=(a+7)%10`, then b on the new a, c on the new b): one value and one bit each, a chain of three through
+every line.
 
 The simpler ones are what the learnability probe (benchmarks/exec_probe.py) starts from; docs/models.md ("The exec
 task") says which one the bundled exec model is trained on and why.
@@ -310,15 +313,26 @@ def _chain_u(rng: random.Random, names: str, v: str, has_list: bool) -> list:
     return list(CHAIN_U_BODY[v])
 
 
+#: the loop body of "chain-b": each variable a map of its own value chosen by a branch on the variable before it
+#: (a on the line before's c, b on the new a, c on the new b) -- every value one map of one value plus one bit, a
+#: chain of three through each line; each map a permutation, so the step is one-to-one on the 1,000 states
+CHAIN_B_BODY = {"a": ["if c>4:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a>4:b=(b*7)%10", "else:b=(b+3)%10"],
+                "c": ["if b>4:c=(c+1)%10", "else:c=(c*3)%10"]}
+
+
+def _chain_b(rng: random.Random, names: str, v: str, has_list: bool) -> list:
+    return list(CHAIN_B_BODY[v])
+
+
 #: statement generators by grammar: "full" is the task; "arith" (only v=(x op y)%10), "counter" (each variable steps
 #: by its own constant: every program of a size has the same layout) and "copy" (no loop: the answer is the initial
 #: state) are the simpler grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum start from
 GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None, "acc": _acc, "acc-pm": _acc_pm,
-            "chain": _chain, "chain-k": _chain_k, "chain-u": _chain_u}
+            "chain": _chain, "chain-k": _chain_k, "chain-u": _chain_u, "chain-b": _chain_b}
 #: grammars whose function takes the step k as its last argument (`def f(a,b,k):`, the call `f(7,4,3)`)
 WITH_K = ("acc", "acc-pm", "chain-k")
 #: grammars written for one number of variables (the task's default for them)
-FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3}
+FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3, "chain-b": 3}
 
 
 def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full") -> str:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dblock.tasks import get_task
-from dblock.tasks.exec_task import CHAIN_BODY, CHAIN_U_BODY, DISTINCT, ITERS, MAX_ANSWER, ExecTask, exec_tokenizer, run
+from dblock.tasks.exec_task import CHAIN_B_BODY, CHAIN_BODY, CHAIN_U_BODY, DISTINCT, ITERS, MAX_ANSWER, ExecTask, exec_tokenizer, run
 
 
 def _python_prints(examples) -> list:
@@ -237,11 +237,12 @@ def test_the_acc_grammars_take_the_step_as_an_argument_and_are_what_python_print
     assert task.sample("train", 3) == get_task(f"exec:grammar={grammar},vars=2").sample("train", 3)
 
 
-@pytest.mark.parametrize("grammar", ["chain", "chain-k", "chain-u"])
+@pytest.mark.parametrize("grammar", ["chain", "chain-k", "chain-u", "chain-b"])
 def test_the_chain_grammars_are_one_program_of_three_variables_and_what_python_prints(grammar):
     """One fixed loop body with a branch (the trace is piecewise): what a real Python prints; three variables
     whatever the task name says; chain-k takes the else-branch's step as its argument k (1..9), chain writes 7;
-    chain-u's every value is a map of one value (a of the line before's b, b of its c, c of the new a)."""
+    chain-u's every value is a map of one value (a of the line before's b, b of its c, c of the new a); chain-b's a
+    map of its own value chosen by a branch on the variable before it."""
     task = get_task(f"exec:grammar={grammar}")
     assert task.sizes_.vars_ == (3,)
     examples = task.examples("train", 8) + task.examples("test", 8)
@@ -254,6 +255,13 @@ def test_the_chain_grammars_are_one_program_of_three_variables_and_what_python_p
             for before, after in zip(e.answer.split("\n")[:-2], e.answer.split("\n")[1:-1]):
                 (_, b, c), (a2, b2, c2) = map(int, before.split()), map(int, after.split())
                 assert (a2, b2, c2) == ((3 * b + 1) % 10, (c + 7) % 10, (7 * a2 if a2 > 4 else a2 + 3) % 10)
+        elif grammar == "chain-b":
+            assert e.prompt.startswith("def f(a,b,c):\n")
+            assert "\n".join("  " + ln for v in "abc" for ln in CHAIN_B_BODY[v]) in e.prompt
+            for before, after in zip(e.answer.split("\n")[:-2], e.answer.split("\n")[1:-1]):
+                (a, b, c), (a2, b2, c2) = map(int, before.split()), map(int, after.split())
+                assert a2 == ((3 * a + 1) % 10 if c > 4 else (a + 7) % 10)
+                assert b2 == (7 * b % 10 if a2 > 4 else (b + 3) % 10) and c2 == ((c + 1) % 10 if b2 > 4 else 3 * c % 10)
         elif grammar == "chain":
             assert e.prompt.startswith("def f(a,b,c):\n") and body.replace("K", "7") in e.prompt
         else:
