@@ -103,8 +103,9 @@ def _forward_at(model, tok, prompt: str, answer_lines: list, pos_line: int, bloc
     """argmax at the values of line `pos_line`, with that line and every later one masked and the lines before it
     as given (which may differ from the program's own); `block`: the BD3 block of the view (default the model's)."""
     from dblock.tasks.bd3 import bd3_mask
-    x0, n_prompt = _padded(tok, prompt, "".join(ln + "\n" for ln in answer_lines), model.config.block_size)
-    L, C = len(x0), model.config.block_size
+    C = model.config.block_size
+    x0, n_prompt = _padded(tok, prompt, "".join(ln + "\n" for ln in answer_lines), C)
+    L = len(x0)
     pos = n_prompt + sum(len(ln) + 1 for ln in answer_lines[:pos_line])
     xt = x0.clone()
     xt[pos:] = tok.mask_id

@@ -309,10 +309,6 @@ def _chain_k(rng: random.Random, names: str, v: str, has_list: bool) -> list:
 CHAIN_U_BODY = {"a": ["a=(b*3+1)%10"], "b": ["b=(c+7)%10"], "c": ["if a>4:c=(a*7)%10", "else:c=(a+3)%10"]}
 
 
-def _chain_u(rng: random.Random, names: str, v: str, has_list: bool) -> list:
-    return list(CHAIN_U_BODY[v])
-
-
 #: the loop body of "chain-b": each variable a map of its own value chosen by a branch on the variable before it
 #: (a on the line before's c, b on the new a, c on the new b) -- every value one map of one value plus one bit, a
 #: chain of three through each line; each map a permutation, so the step is one-to-one on the 1,000 states
@@ -320,15 +316,16 @@ CHAIN_B_BODY = {"a": ["if c>4:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a>4:b
                 "c": ["if b>4:c=(c+1)%10", "else:c=(c*3)%10"]}
 
 
-def _chain_b(rng: random.Random, names: str, v: str, has_list: bool) -> list:
-    return list(CHAIN_B_BODY[v])
+def _fixed(body: dict):
+    """The statement generator of a one-program grammar: its loop body's lines for variable v, whatever the draw."""
+    return lambda rng, names, v, has_list: list(body[v])
 
 
 #: statement generators by grammar: "full" is the task; "arith" (only v=(x op y)%10), "counter" (each variable steps
 #: by its own constant: every program of a size has the same layout) and "copy" (no loop: the answer is the initial
 #: state) are the simpler grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum start from
 GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None, "acc": _acc, "acc-pm": _acc_pm,
-            "chain": _chain, "chain-k": _chain_k, "chain-u": _chain_u, "chain-b": _chain_b}
+            "chain": _chain, "chain-k": _chain_k, "chain-u": _fixed(CHAIN_U_BODY), "chain-b": _fixed(CHAIN_B_BODY)}
 #: grammars whose function takes the step k as its last argument (`def f(a,b,k):`, the call `f(7,4,3)`)
 WITH_K = ("acc", "acc-pm", "chain-k")
 #: grammars written for one number of variables (the task's default for them)
