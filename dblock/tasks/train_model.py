@@ -121,7 +121,11 @@ def _char_rows_from_bpe(sd: dict, src, tok: CharTokenizer, source: str) -> dict:
             got = enc[0]
         ids.append(got)
     out = dict(sd)
-    for k in ("embed.weight", "lm_head.weight"):
+    for k in _VOCAB_ROWS:                      # llada2_moe: embedding and LM head; diffusion_gemma: the tied embedding
         if k in out:
             out[k] = out[k][ids].clone()
     return out
+
+
+#: the state-dict tensors with one row per vocabulary entry, in either family
+_VOCAB_ROWS = ("embed.weight", "lm_head.weight", "embed_tokens.weight")

@@ -143,6 +143,24 @@ def test_an_exec_run_starts_from_a_bpe_code_model(tmp_path):
                         "code-masked", tok)
 
 
+def test_an_exec_run_starts_from_the_bpe_uniform_model(tmp_path):
+    """The same for diffusion_gemma (`--init-from code-uniform`): its one tied embedding is re-indexed too."""
+    import dblock
+    from dblock.tasks.code_corpus import CodeTokenizer
+    from dblock.tasks.train_config import TrainConfig
+    from dblock.tasks.train_model import build_model, init_from_model
+    tok = exec_tokenizer()
+    model = build_model(TrainConfig(family="diffusion_gemma", size="code", task="exec", block_size=32,
+                                    out=str(tmp_path)), tok)
+    init_from_model(model, "code-uniform", tok)
+    src = dblock.load("code-uniform")
+    bpe = CodeTokenizer.load(src.source)
+    emb, src_emb = model.state_dict()["embed_tokens.weight"], src.state_dict()["embed_tokens.weight"]
+    assert emb.shape[0] == tok.vocab_size
+    for ch in ("7", " ", "\n", "(", "a", "%"):
+        assert torch.equal(emb[tok.encode(ch)[0]], src_emb[bpe.encode(ch)[0]].float()), ch
+
+
 def test_tokenizer_round_trips_and_loads_in_transformers(tmp_path):
     tok = exec_tokenizer()
     e = ExecTask().examples("test", 1)[0]
