@@ -29,18 +29,23 @@ import time
 
 from dblock.weights_path import CHECKPOINTS_DIR
 
-# (model, executor, epoch config, schedule, extra decode options)
+# (model, executor, epoch config, schedule, extra decode options, batch). `batch` is the regime a row is measured
+# in: None decodes all the model's problems as one batch, 1 decodes them one request at a time (the latency regime
+# One Block Ahead is for). Each (model, batch) group is measured, predicted and compared on its own, against its own
+# reference Native row, which every group has (tests/simulator/test_demo_prediction.py).
 PLAN = [
-    ("tiny-masked", "reference", None, "native", {}),
-    ("tiny-masked", "reference", None, "native", {"no_cache": True}),
-    ("tiny-masked", "epoch", "epoch", "native", {}),
-    ("tiny-masked", "reference", None, "oba", {}),
-    ("tiny-masked", "epoch", "epoch", "oba", {}),
-    ("code-uniform", "reference", None, "native", {}),
-    ("code-uniform", "reference", None, "oba", {}),
-    ("code-uniform", "reference", None, "flowblock", {}),
-    ("code-masked", "reference", None, "native", {}),
-    ("code-masked", "epoch", "epoch", "native", {}),
+    ("tiny-masked", "reference", None, "native", {}, None),
+    ("tiny-masked", "reference", None, "native", {"no_cache": True}, None),
+    ("tiny-masked", "epoch", "epoch", "native", {}, None),
+    ("tiny-masked", "reference", None, "oba", {}, None),
+    ("tiny-masked", "epoch", "epoch", "oba", {}, None),
+    ("code-uniform", "reference", None, "native", {}, 1),
+    ("code-uniform", "reference", None, "oba", {}, 1),
+    ("code-uniform", "reference", None, "flowblock", {}, 1),
+    ("code-uniform", "reference", None, "native", {}, None),
+    ("code-uniform", "reference", None, "oba", {}, None),
+    ("code-masked", "reference", None, "native", {}, None),
+    ("code-masked", "epoch", "epoch", "native", {}, None),
 ]
 N_PROBLEMS = {"tiny-masked": 32, "code-uniform": 16, "code-masked": 16}
 REPEATS = 3
@@ -116,10 +121,11 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
         max_new = getattr(task, "max_new_tokens", 128)      # the code task: 64 (two blocks)
         fwds = {}
         jobs, specs = {}, {}
-        for mname, executor, econf, schedule, extra in PLAN:
+        for mname, executor, econf, schedule, extra, bs in PLAN:
             if mname != name:
                 continue
-            key = (executor, _label(schedule, extra))
+            bs = bs or k                        # the row's batch: None = every problem at once
+            key = (executor, _label(schedule, extra), bs)
             if executor not in fwds:
                 fwds[executor] = reference_forward(model) if executor == "reference" else epoch_forward(model, econf)
             card_dec = decoding_of(name)     # the card's default: LLaDA2.0's S (masked) or N steps (uniform-state)
@@ -128,13 +134,13 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
             # the baseline's pass on the same rows is timed only where the batch compositions differ (a uniform-state
             # schedule changes passes per block); elsewhere both runs batch the same requests alike and β = 1
             shadow = "strip" if schedule in ("oba", "flowblock") and family == "diffusion_gemma" else None
-            jobs[key] = (lambda f=fwds[executor], d=dec, s=schedule, sh=shadow:
-                         measure.decode_run(f, prompts, d, s, None, shadow=sh, seeds=[0] * k))
-            specs[key] = (executor, econf, schedule, extra)
+            jobs[key] = (lambda f=fwds[executor], d=dec, s=schedule, sh=shadow, b=bs:
+                         measure.decode_run(f, prompts, d, s, b, shadow=sh, seeds=[0] * k))
+            specs[key] = (executor, econf, schedule, extra, bs)
         runs = measure.repeated(jobs, repeats, progress=bar)
-        base_key = ("reference", "native")
         for key, rs in runs.items():
-            executor, econf, schedule, extra = specs[key]
+            executor, econf, schedule, extra, bs = specs[key]
+            base_key = ("reference", "native", bs)
             med = measure.median_run(rs)
             graded = [grader(p, ids) for p, ids in zip(prompts, rs[0]["tokens"])]
             ok = [g["correct"] if isinstance(g, dict) else g for g in graded]
@@ -147,7 +153,7 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
             mid, lo, hi = measure.noise_band(ratios)
             rows.append({"model": name, "family": family, "executor": executor + (f":{econf}" if econf else ""),
                          "schedule": _label(schedule, extra), "sim_schedule": _sim_schedule(schedule, extra),
-                         "n": k, "repeats": repeats, "accuracy": sum(ok) / len(ok), "token_accuracy": tok_acc,
+                         "batch": bs, "n": k, "repeats": repeats, "accuracy": sum(ok) / len(ok), "token_accuracy": tok_acc,
                          "identical": same,
                          "TPF": med["Y"] / med["Q"],
                          "TPS": med["TPS"], "T_den_ms": med["T_den_ms"], "passes_per_block": med["F"] / med["K"],
@@ -155,7 +161,8 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
                          "den_s": med["den_s"], "den_base_s": med["den_base_s"],
                          "measured_tps_ratio": mid, "measured_band": [lo, hi], "speedup": mid,
                          "_run": med, "_runs": rs})
-        _predict(name, model, rows, profile, as_json)
+        for bs in dict.fromkeys(x["batch"] for x in rows if x["model"] == name):
+            _predict(name, model, rows, profile, as_json, batch_size=bs)
         del model, fwds
     bar.close()
     for x in rows:
@@ -168,12 +175,13 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
     return 0
 
 
-def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> None:
-    """Fill predicted_tps_ratio, its interval, inputs and note on every row of `name` (see the module docstring)."""
+def _predict(name: str, model, rows: list, profile: str | None, quiet: bool, batch_size: int | None = None) -> None:
+    """Fill predicted_tps_ratio, its interval, inputs and note on every row of `name` measured at `batch_size` (None:
+    the rows without a batch; see the module docstring)."""
     import numpy as np
 
     from dblock.simulator import batch, oba
-    mine = [x for x in rows if x["model"] == name]
+    mine = [x for x in rows if x["model"] == name and x.get("batch") == batch_size]
     base = next((x for x in mine if x["executor"] == "reference" and x["schedule"] == "native"), None)
     if base is None:
         return
@@ -218,9 +226,10 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
             pred = {}
             for q in QUANTILES:
                 ref = ProfiledCost(prof, "reference", q, scale)
-                sb = batch.simulate_batch(wl, "native", ref, None)
+                bs = batch_size if batch_size and batch_size < base["n"] else None
+                sb = batch.simulate_batch(wl, "native", ref, bs)
                 so = batch.simulate_batch(wl, batch.Schedule(x["sim_schedule"]), ProfiledCost(prof, ex, q, scale),
-                                          None, base_cost=ref)
+                                          bs, base_cost=ref)
                 pred[q] = (so.tps / sb.tps, batch.decompose(sb.summary(), so.summary()))
             mid, parts = pred["median"]
             x["predicted_tps_ratio"] = mid
@@ -236,7 +245,7 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
                     if multi else "a single-block row: n = n̄")
             x["prediction_note"] = (f"{what}; r and β predicted from the operator profile of "
                                     f"{prof.meta.get('machine', '?')} (drift x{scale:.2f}) on the Native run's "
-                                    f"counters; finite-length run, all {x['R']} requests in one batch")
+                                    f"counters; finite-length run, {_regime(x)}")
         else:
             if multi and alpha is not None:
                 if x["alpha_method"] == "Eq. 5":      # short responses, α near 1: the exact transient (Eq. 5)
@@ -268,7 +277,7 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
             x["prediction_note"] = (f"measured inputs for {model.config.family}: α (too few requests here to calibrate "
                                     "δ; `dblock simulate validate` predicts it held out) and r, β on the same rows "
                                     "(no operator profile for this family); finite-length run "
-                                    f"(transient factor φ), all {x['R']} requests in one batch")
+                                    f"(transient factor φ), {_regime(x)}")
         if model.config.family == "diffusion_gemma" and x["schedule"] == "oba" and alpha is not None:
             from dblock.simulator.papers import oba_gb300_verdict      # the paper's setting, with the α measured here
             x["gb300"] = oba_gb300_verdict(alpha)
@@ -276,6 +285,36 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool) -> 
         x["verdict"] = _verdict(lo, hi)
         p = x["predicted_tps_ratio"]
         x["prediction_agrees"] = x["verdict"] == "within noise" or (p > 1) == (x["measured_tps_ratio"] > 1)
+
+
+def _why_not(x: dict, rows: list = ()) -> str | None:
+    """For a multi-block row of a uniform-state model measured at a batch above 1 that does not pay: why, from its
+    own α and r (OBA pays when 1 + α > r·β, docs/counters.md); None for any other row."""
+    if x.get("family") != "diffusion_gemma" or x["schedule"] not in ("oba", "flowblock") or x.get("verdict") != \
+            "does not pay" or (x.get("batch") or x["R"]) <= 1:
+        return None
+    ins = x.get("prediction_inputs", {})
+    a, r, beta = (ins.get(k, {}).get("value") for k in ("alpha", "r", "beta"))
+    if not all(isinstance(v, (int, float)) for v in (a, r, beta)):
+        return None
+    one = None
+    for y in rows:                              # the same model and schedule measured at batch 1
+        if (y["model"], y["schedule"], y.get("batch")) == (x["model"], x["schedule"], 1):
+            yi = y.get("prediction_inputs", {})
+            if all(isinstance(yi.get(k, {}).get("value"), (int, float)) for k in ("r", "beta")):
+                one = yi["r"]["value"] * yi["beta"]["value"]
+    return (f"why {x['model']} {x['schedule']} does not pay at batch {x.get('batch') or x['R']}: on this CPU a pass "
+            f"of {x.get('batch') or x['R']} requests is compute-bound, so the pass with the warm-up block costs "
+            f"r·β = {r * beta:.2f} of Native's while it saves 1 + α = {1 + a:.2f} of the passes" + (
+                f"; at batch 1 the same schedule's pass costs r·β = {one:.2f} (its row above): there a pass is bound "
+                "by its fixed per-layer costs, not by the rows it computes" if one is not None else ""))
+
+
+def _regime(x: dict) -> str:
+    """How a row's requests were batched, in words."""
+    b, n = x.get("batch") or x["R"], x["R"]
+    return (f"all {n} requests in one batch" if b >= n else "one request at a time (batch 1)" if b == 1 else
+            f"{n} requests at most {b} at a time")
 
 
 def _verdict(lo: float, hi: float) -> str:
@@ -321,7 +360,8 @@ def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
     from dblock.tasks.card import task_of
     tasks = ", ".join(dict.fromkeys(task_of(b) for b in bundled))
     print(f"dblock demo: held-out {tasks} problems on the bundled models ({', '.join(bundled)})\n")
-    hdr = (f"{'model':<13} {'executor':<12} {'schedule':<16} {'acc':>5} {'tok':>5} {'same':>5} {'TPF':>5} {'TPS':>8} "
+    hdr = (f"{'model':<13} {'executor':<12} {'schedule':<16} {'batch':>5} {'acc':>5} {'tok':>5} {'same':>5} {'TPF':>5} "
+           f"{'TPS':>8} "
            f"{'pass/blk':>8}  "
            f"{'TPS ratio: predicted':>21}  {'measured [band]':>20}  verdict")
     print(hdr)
@@ -332,7 +372,8 @@ def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
         pred = f"{p:.2f}" if p is not None else "-"
         agree = "" if x.get("prediction_agrees", True) else "  (prediction disagrees)"
         ta = "-" if x.get("token_accuracy") is None else f"{x['token_accuracy']:.3f}"
-        print(f"{x['model']:<13} {x['executor']:<12} {x['schedule']:<16} {x['accuracy']:>5.2f} {ta:>5} "
+        print(f"{x['model']:<13} {x['executor']:<12} {x['schedule']:<16} {x.get('batch') or x.get('n', '-'):>5} "
+              f"{x['accuracy']:>5.2f} {ta:>5} "
               f"{x['identical']:>5.2f} "
               f"{x['TPF']:>5.2f} "
               f"{x['TPS']:>8.0f} {x['passes_per_block']:>8.2f}  {pred:>21}  "
@@ -345,8 +386,14 @@ def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
             ins = x.get("prediction_inputs", {})
             parts = ", ".join(f"{k} {v['value']:.3f}" for k, v in ins.items()
                               if isinstance(v.get("value"), (int, float)))
-            print(f"  {x['model']} {x['executor']} {x['schedule']}: {parts}. {x['prediction_note']}")
+            print(f"  {x['model']} {x['executor']} {x['schedule']} batch {x.get('batch') or x.get('n', '-')}: "
+                  f"{parts}. {x['prediction_note']}")
     for x in rows:
+        why = _why_not(x, rows)
+        if why:
+            print(f"\n{why}")
+    gb = [x for x in rows if x.get("gb300")]
+    for x in [x for x in gb if x.get("batch") == 1] or gb[:1]:     # the paper's setting is batch 1
         g = x.get("gb300")
         if g:
             say = lambda ok: "pays" if ok else "does not pay"

@@ -124,8 +124,33 @@ def test_the_oba_row_prints_the_gb300_verdict_beside_this_cpus(capsys):
     demo._print(rows, ["tiny-uniform"], 3, 1.0)
     out = capsys.readouterr().out
     table = {s.split()[2]: s.split() for s in out.splitlines() if s.startswith("m ")}
-    assert table["oba"][4] == "0.250" and table["native"][4] == "-"
+    assert table["oba"][5] == "0.250" and table["native"][5] == "-"
     g = rows[1]["gb300"]
     line = next(s for s in out.splitlines() if "GB300" in s)
     assert f"{g['r']:.2f}" in line and f"{g['tps_ratio']:.2f}" in line and f"on this CPU: {rows[1]['verdict']}" in line
     assert ("does not pay" in line.split("->")[1].split(",")[1]) != g["pays"]
+
+
+def test_every_demo_group_has_its_own_baseline_and_a_batch_1_row_says_so():
+    """Each (model, batch) group of the demo's plan is compared against its own reference Native row; a row at
+    batch 1 decodes its requests one at a time (the regime One Block Ahead is for)."""
+    groups = {}
+    for name, executor, econf, schedule, extra, bs in demo.PLAN:
+        groups.setdefault((name, bs), []).append((executor, schedule, extra))
+    for g, rs in groups.items():
+        assert ("reference", "native", {}) in rs, g
+    x = dict(R=16, batch=1)
+    assert demo._regime(x) == "one request at a time (batch 1)"
+    assert demo._regime(dict(R=16, batch=16)) == "all 16 requests in one batch"
+    assert demo._regime(dict(R=16, batch=4)) == "16 requests at most 4 at a time"
+
+
+def test_a_batch_16_oba_row_that_does_not_pay_says_why_from_its_own_numbers():
+    def r(batch, verdict, rb):
+        return dict(model="m", family="diffusion_gemma", schedule="oba", batch=batch, R=16, verdict=verdict,
+                    prediction_inputs={"alpha": {"value": 0.4}, "r": {"value": rb}, "beta": {"value": 1.0}})
+    one, big = r(1, "pays", 1.1), r(16, "does not pay", 1.8)
+    why = demo._why_not(big, [one, big])
+    assert "batch 16" in why and "r·β = 1.80" in why and "1 + α = 1.40" in why and "r·β = 1.10" in why
+    assert demo._why_not(one, [one, big]) is None
+    assert demo._why_not(dict(big, verdict="within noise"), [big]) is None
