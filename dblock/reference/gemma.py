@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dblock.gemma_config import SLIDING, GemmaConfig, rope_spec
+from dblock.reference.llada import expert_rows
 
 
 class RMSNorm(nn.Module):
@@ -197,18 +198,18 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)                   # (T_e, I) each
-        return F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])       # (T_e, H)
-
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         """Sum over k of w[t,k] * Expert[ids[t,k]](x[t]). Experts in ascending id order, rows ordered (k, t) --
         transformers' loop order, so fp32 sums round the same way."""
         out = torch.zeros_like(x_TH)
-        for e in ids_TK.unique().tolist():
-            slot, tok = torch.where(ids_TK.T == e)                                       # (K, T) order: k, then t
-            y = self.expert(e, x_TH[tok]) * w_TK[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+        tok, slot, counts = expert_rows(ids_TK, self.gate_up_proj.shape[0], k_major=True)   # k, then t
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)   # (see llada.MoE.routed: one sort)
+        parts = zip(x_TH[tok].split(counts), w_TK[tok, slot, None].split(counts), tok.split(counts))
+        for e, (x_e, w_e, tok_e) in enumerate(parts):
+            if tok_e.numel():
+                gate, up = F.linear(x_e, gate_up[e]).chunk(2, dim=-1)                  # (T_e, I) each
+                y = F.linear(F.gelu(gate, approximate="tanh") * up, down[e]) * w_e
+                out.index_add_(0, tok_e, y.to(out.dtype))
         return out
 
 
