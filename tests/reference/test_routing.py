@@ -2,7 +2,7 @@
 import math
 
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from dblock.reference.llada import route_llada2, route_llada_moe
 from dblock.tiny import tiny_config
@@ -98,3 +98,22 @@ def test_softmax_router_not_renormalised(T, seed):
     assert torch.equal(w, p.gather(1, ids))
     assert (w.sum(-1) < 1).all()
     assert torch.equal(ids, p.topk(2, -1).indices)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 9), st.integers(0, 2 ** 31 - 1))
+def test_expert_rows_are_the_per_expert_scan_in_its_order(T, K, E, seed):
+    """`expert_rows` (one stable sort) gives each expert the entries a per-expert scan finds, in the scan's order:
+    (t, k) as `(ids == e).nonzero()`, or (k, t) as transformers' DiffusionGemma loop (`where(ids.T == e)`) -- so the
+    MoE sums round as before."""
+    from dblock.reference.llada import expert_rows
+    ids = torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(seed))
+    for k_major in (False, True):
+        tok, slot, counts = expert_rows(ids, E, k_major)
+        assert len(counts) == E and sum(counts) == T * K
+        for e, (t_e, s_e) in enumerate(zip(tok.split(counts), slot.split(counts))):
+            if k_major:
+                s_ref, t_ref = torch.where(ids.T == e)
+            else:
+                t_ref, s_ref = (ids == e).nonzero(as_tuple=True)
+            assert torch.equal(t_e, t_ref) and torch.equal(s_e, s_ref), (e, k_major)
