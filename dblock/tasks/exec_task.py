@@ -440,7 +440,20 @@ class ExecTask:
             attempt += 1
 
     def examples(self, split: str, n: int, start: int = 0) -> list:
-        return [self.sample(split, start + i) for i in range(n)]
+        """`n` distinct problems of `split`: samples `start`, `start + 1`, ..., a program already drawn skipped (a
+        one-program grammar has only about 1,000 x its loop lengths programs, 5% of them held out, so plain draws
+        repeat). A ValueError when the split cannot give `n` distinct programs."""
+        out, seen, i = [], set(), start
+        while len(out) < n:
+            if i - start >= 20 * n + 1000:
+                raise ValueError(f"task {self.name}: its {split} split gave {len(out)} distinct programs in "
+                                 f"{i - start} draws; {n} were asked for")
+            e = self.sample(split, i)
+            i += 1
+            if e.prompt not in seen:
+                seen.add(e.prompt)
+                out.append(e)
+        return out
 
     def grade(self, prompt: str, generated_text: str, example: Example | None = None) -> bool:
         """Whole answer exact: the generated lines equal what the program prints (trailing whitespace ignored)."""

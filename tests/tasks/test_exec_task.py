@@ -299,3 +299,14 @@ def test_the_chain_grammars_are_one_program_of_three_variables_and_what_python_p
 def test_the_step_argument_is_read_only_and_last(program, what):
     with pytest.raises(ValueError, match=re.escape(what)):
         run(program)
+
+
+def test_the_held_out_problems_are_distinct_and_a_small_split_says_how_small():
+    """A one-program grammar has 1,000 initial states x its loop lengths; 5% of the states are held out, so plain
+    draws repeat: `examples` skips a program already drawn, and refuses by count when the split runs out."""
+    t = get_task("exec:grammar=chain-b")
+    ex = t.examples("test", 200)
+    assert len({e.prompt for e in ex}) == 200 and all(t.split_of(e.prompt) == "test" for e in ex)
+    assert [e.prompt for e in ex[:20]] == [e.prompt for e in t.examples("test", 20)]     # a prefix: stable
+    with pytest.raises(ValueError, match=r"gave \d+ distinct programs in \d+ draws; 2000 were asked for"):
+        t.examples("test", 2000)
