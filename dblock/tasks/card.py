@@ -177,6 +177,8 @@ def _is_exec(card: dict) -> bool:
 def _exec_data_text(card: dict) -> str:
     d = card.get("task_description") or {}
     its = d.get("iterations", {})
+    if d.get("body"):
+        return _one_program_text(card, d, its)
     return ("Generated from a seed, no download: the `exec` task (`dblock/tasks/exec_task.py`), \"what does this "
             "program print?\". A prompt is a short Python program of the generator's own grammar: "
             f"{' or '.join(str(v) for v in d.get('variables', []))} variables set from literals, an optional list of "
@@ -190,6 +192,29 @@ def _exec_data_text(card: dict) -> str:
             f"(vocabulary {card.get('vocab_size', '?')}; `transformers.AutoTokenizer` loads `tokenizer.json`). "
             f"Split: {d.get('split', '?')}. Metrics: the whole answer exact (the task's accuracy), the share of "
             "printed values right (position by position) and the model's held-out loss per token "
+            + ("(its canvas cross-entropy under uniform noise)" if card.get("family") == "diffusion_gemma" else
+               "(its masked-diffusion training loss on the reference answer, an upper bound on the NLL)")
+            + "; 95% bootstrap CIs over problems")
+
+
+def _one_program_text(card: dict, d: dict, its: dict) -> str:
+    """The Data paragraph of a one-program exec grammar (`exec_task.ONE_PROGRAM`)."""
+    (k, (lo, hi)), = its.items()
+    body = "; ".join(f"`{ln}`" for ln in d["body"])
+    return ("Generated from a seed, no download: the `exec` task (`dblock/tasks/exec_task.py`), \"what does this "
+            f"program print?\", grammar `{d.get('grammar')}`: every prompt is one fixed function of {k} variables -- "
+            f"`print` the state, then a `for` loop whose body is {body}, printing the state after each iteration -- "
+            f"called with three digits (`f(a,b,c)`) and a loop of {lo}..{hi} iterations. The answer is what it prints "
+            f"(found by running it in-process), one line per state, every value a digit. {d.get('structure', '')} "
+            "Programs whose trace "
+            f"repeats a state within its first {d.get('distinct_states', '?')} lines are redrawn. Character tokenizer "
+            f"(vocabulary {card.get('vocab_size', '?')}; `transformers.AutoTokenizer` loads `tokenizer.json`). "
+            f"Split: {d.get('split', '?')}: as the programs differ only in their call and loop length, the held-out "
+            f"problems are those of {d.get('held_out_starts', '?')} of the 1,000 initial states, never a training "
+            "program's start (a held-out state can still occur inside a training trace, since every trace walks "
+            "through other states); the evaluation draws distinct programs. Metrics: the whole answer exact (the "
+            "task's accuracy), the share of printed values right (position by position) and the model's held-out "
+            "loss per token "
             + ("(its canvas cross-entropy under uniform noise)" if card.get("family") == "diffusion_gemma" else
                "(its masked-diffusion training loss on the reference answer, an upper bound on the NLL)")
             + "; 95% bootstrap CIs over problems")

@@ -328,6 +328,16 @@ GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": No
             "chain": _chain, "chain-k": _chain_k, "chain-u": _fixed(CHAIN_U_BODY), "chain-b": _fixed(CHAIN_B_BODY)}
 #: grammars whose function takes the step k as its last argument (`def f(a,b,k):`, the call `f(7,4,3)`)
 WITH_K = ("acc", "acc-pm", "chain-k")
+#: grammars of one program: every prompt is the same loop body, only the call's digits and the loop length vary
+#: (with how its values depend on each other, for a model card)
+ONE_PROGRAM = {
+    "chain": "Each value is a function of at most three values at fixed places, the line before or earlier in its "
+             "own line (a sum, and b's branch on a comparison).",
+    "chain-u": "Each value is one map (a permutation of the digits) of one value at a fixed place: a of the line "
+               "before's b, b of its c, c of the new a.",
+    "chain-b": "Each value is one map of its own previous value chosen by a one-bit branch on the value computed just "
+               "before it, so a line's three values are a chain of three and an answer a chain of three values per "
+               "iteration."}
 #: grammars written for one number of variables (the task's default for them)
 FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3, "chain-b": 3}
 
@@ -381,12 +391,25 @@ class ExecTask:
             f"|{sizes.grammar}" if sizes.grammar != "full" else "")
 
     def describe(self) -> dict:
-        return {"name": self.name, "style": self.style, "variables": list(self.sizes_.vars_),
-                "iterations": {str(k): list(v) for k, v in ITERS.items()}, "list_probability": self.sizes_.list_prob,
-                "grammar": self.sizes_.grammar,
-                "distinct_states": DISTINCT,
-                "split": f"test iff SHA-256(program with range(N) blanked) falls in the lowest {self.test_fraction:g} of the hash range "
-                         "(dblock/tasks/exec_task.py, ExecTask.split_of); evaluation uses the test split"}
+        """What the task is, for a model card. A one-program grammar (`ONE_PROGRAM`) adds its loop body and how many
+        of the 1,000 initial states are held out (`held_out_starts`): its programs differ only in the call's digits
+        and the loop length, and the split blanks the loop length."""
+        g = self.sizes_.grammar
+        out = {"name": self.name, "style": self.style, "variables": list(self.sizes_.vars_),
+               "iterations": {str(k): list(v) for k, v in ITERS.items() if k in self.sizes_.vars_},
+               "list_probability": self.sizes_.list_prob, "grammar": g, "distinct_states": DISTINCT,
+               "split": f"test iff SHA-256(program with range(N) blanked) falls in the lowest {self.test_fraction:g} "
+                        "of the hash range (dblock/tasks/exec_task.py, ExecTask.split_of); evaluation uses the test "
+                        "split"}
+        if g in ONE_PROGRAM:
+            rng = random.Random(0)
+            out["body"] = [ln for v in NAMES[:3] for ln in GRAMMARS[g](rng, NAMES[:3], v, False)]
+            out["structure"] = ONE_PROGRAM[g]
+            prog = draw_program(rng, 3, 8, False, g)
+            call = prog.rsplit("f(", 1)[0]
+            out["held_out_starts"] = sum(self.split_of(f"{call}f({a},{b},{c})\n") == "test"
+                                         for a in range(10) for b in range(10) for c in range(10))
+        return out
 
     def sizes(self) -> dict:
         """{kind: (min, max) iterations} (the curriculum reads the largest maximum)."""

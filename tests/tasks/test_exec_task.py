@@ -310,3 +310,19 @@ def test_the_held_out_problems_are_distinct_and_a_small_split_says_how_small():
     assert [e.prompt for e in ex[:20]] == [e.prompt for e in t.examples("test", 20)]     # a prefix: stable
     with pytest.raises(ValueError, match=r"gave \d+ distinct programs in \d+ draws; 2000 were asked for"):
         t.examples("test", 2000)
+
+
+@pytest.mark.parametrize("grammar", ["chain", "chain-u", "chain-b"])
+def test_a_one_program_grammar_describes_its_body_and_held_out_starts(grammar):
+    """The card of a one-program grammar names its loop body (each line in every program) and how many of the
+    1,000 initial states the split holds out: every held-out problem starts from one of them."""
+    from dblock.tasks.card import _exec_data_text
+    t = get_task(f"exec:grammar={grammar}")
+    d = t.describe()
+    ex = t.examples("test", 120)
+    assert all("  " + ln + "\n" in e.prompt for e in ex for ln in d["body"])
+    starts = {e.prompt.rsplit("f(", 1)[1] for e in ex}
+    assert len(starts) <= d["held_out_starts"] <= 100
+    text = _exec_data_text({"task_description": d, "vocab_size": 64, "family": "llada2_moe"})
+    assert all(f"`{ln}`" in text for ln in d["body"]) and f"{d['held_out_starts']} of the 1,000 initial states" in text
+    assert "body" not in get_task("exec").describe()                  # the full grammar: many programs
