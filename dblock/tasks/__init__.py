@@ -44,23 +44,24 @@ def get_task(name: str, **kwargs):
         if name == "exec":
             return ExecTask()
         bad = (f"bad task {name!r}: the exec task takes 'exec' or 'exec:OPTION=VALUE,...' with grammar=G (G one of "
-               f"{', '.join(GRAMMARS)}) and/or vars=N (N of 1, 2, 3: the number of variables), e.g. "
-               "'exec:grammar=arith,vars=1'")
+               f"{', '.join(GRAMMARS)}), vars=N (N of 1, 2, 3: the number of variables) and/or sep=none (a state "
+               "printed as its digits alone, print(a,b,c,sep='')), e.g. 'exec:grammar=arith,vars=1'")
         opts = {}
         for item in name.partition(":")[2].split(","):
             key, eq, val = item.partition("=")
-            if not eq or key in opts or key not in ("grammar", "vars"):
+            if not eq or key in opts or key not in ("grammar", "vars", "sep"):
                 raise ValueError(bad)
             opts[key] = val
-        if opts.get("grammar", "full") not in GRAMMARS or opts.get("vars", "2") not in ("1", "2", "3"):
+        if opts.get("grammar", "full") not in GRAMMARS or opts.get("vars", "2") not in ("1", "2", "3") or \
+                opts.get("sep", "space") not in ("space", "none"):
             raise ValueError(bad)
-        grammar = opts.get("grammar", "full")
+        grammar, sep = opts.get("grammar", "full"), "" if opts.get("sep") == "none" else " "
         if "vars" in opts:
-            sizes = ExecSizes(vars_=(int(opts["vars"]),), grammar=grammar)
+            sizes = ExecSizes(vars_=(int(opts["vars"]),), grammar=grammar, sep=sep)
         elif grammar in FIXED_VARS:
-            sizes = ExecSizes(vars_=(FIXED_VARS[grammar],), grammar=grammar)
+            sizes = ExecSizes(vars_=(FIXED_VARS[grammar],), grammar=grammar, sep=sep)
         else:
-            sizes = ExecSizes(grammar=grammar)
+            sizes = ExecSizes(grammar=grammar, sep=sep)
         return ExecTask(name=name, sizes=sizes)
     if base_task(name) == "code":
         from dblock.tasks.code import CodeTask

@@ -93,6 +93,8 @@ OPS = ("+", "-", "*")
 CMPS = (">", "<", "==")
 DISTINCT = 8                         # the first DISTINCT states of a trace are all different
 ITERS = {1: (14, 30), 2: (8, 16), 3: (8, 14)}   # loop lengths by number of variables (answers of 2..3 blocks of 32)
+#: loop lengths with `sep=none` (lines of n + 1 characters instead of 2n: the answers keep their 2..3 blocks)
+TIGHT_ITERS = {1: (14, 30), 2: (12, 24), 3: (16, 22)}
 MAX_ANSWER = 96                      # characters (with <eos>: at most three blocks of 32)
 
 # The character vocabulary of the exec models: the specials, then every character a program or its output uses, a
@@ -232,10 +234,13 @@ class _Interp:
         self.refuse(node, f"an expression the grammar does not have ({type(node).__name__})")
 
     def print_(self, call) -> None:
-        if not (isinstance(call.func, ast.Name) and call.func.id == "print" and not call.keywords
+        """print(variables) or print(variables, sep='') (or sep=' ')."""
+        seps = [k.value.value for k in call.keywords if k.arg == "sep" and isinstance(k.value, ast.Constant)
+                and k.value.value in ("", " ")]
+        if not (isinstance(call.func, ast.Name) and call.func.id == "print" and len(seps) == len(call.keywords) <= 1
                 and all(isinstance(a, ast.Name) for a in call.args)):
-            self.refuse(call, "a call other than print(variables)")
-        self.out.append(" ".join(str(self.expr(a)) for a in call.args) + "\n")
+            self.refuse(call, "a call other than print(variables) or print(variables, sep='')")
+        self.out.append((seps[0] if seps else " ").join(str(self.expr(a)) for a in call.args) + "\n")
 
 
 def _operand(rng: random.Random, names: str) -> str:
@@ -342,14 +347,16 @@ ONE_PROGRAM = {
 FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3, "chain-b": 3}
 
 
-def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full") -> str:
+def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full",
+                 sep: str = " ") -> str:
     """`def f(a,b[,c]):` (print the state, loop `iters` times: update each variable, print the state), then the call
-    `f(digits)` -- the initial state is written just before the answer (CRUXEval's layout)."""
+    `f(digits)` -- the initial state is written just before the answer (CRUXEval's layout). `sep=""` prints a state
+    as its digits alone (`print(a,b,c,sep='')`: `671`)."""
     names = NAMES[:n_vars]
     params = names + ("k" if grammar in WITH_K else "")
     args = ",".join(str(rng.randint(0, 9) if p != "k" else rng.randint(1, 9)) for p in params)
     head = ("L=[" + ",".join(str(rng.randint(0, 9)) for _ in range(10)) + "]\n") if has_list and grammar == "full" else ""
-    pr = f"print({','.join(names)})"
+    pr = f"print({','.join(names)}" + (",sep=''" if sep == "" else "") + ")"
     lines = [f"def f({','.join(params)}):", f" {pr}"]
     if GRAMMARS[grammar] is not None:
         lines.append(f" for i in range({iters}):")
@@ -370,10 +377,13 @@ class ExecSizes:
     list_prob: float = 0.35          # probability that a program has the list L
     max_iters: Optional[int] = None  # cap the loop length (the curriculum's early stages; 0: no loop iteration)
     grammar: str = "full"            # a key of GRAMMARS
+    sep: str = " "                   # between a state's printed values: " " (print's default) or "" (sep='')
 
     def __post_init__(self):
         if self.grammar not in GRAMMARS:
             raise ValueError(f"exec grammar {self.grammar!r}: expected one of {', '.join(GRAMMARS)}")
+        if self.sep not in (" ", ""):
+            raise ValueError(f"exec sep {self.sep!r}: expected ' ' or ''")
         if self.grammar in FIXED_VARS and tuple(self.vars_) != (FIXED_VARS[self.grammar],):
             raise ValueError(f"exec grammar {self.grammar!r} has {FIXED_VARS[self.grammar]} variables, "
                              f"not {', '.join(map(str, self.vars_))}")
@@ -388,7 +398,7 @@ class ExecTask:
     def __init__(self, name: str = "exec", test_fraction: float = 0.05, sizes: ExecSizes = ExecSizes()):
         self.name, self.test_fraction, self.sizes_ = name, float(test_fraction), sizes
         self._seed_key = f"exec|{sizes.vars_}|{sizes.list_prob}|{sizes.max_iters}" + (
-            f"|{sizes.grammar}" if sizes.grammar != "full" else "")
+            f"|{sizes.grammar}" if sizes.grammar != "full" else "") + ("|sep=" if sizes.sep == "" else "")
 
     def describe(self) -> dict:
         """What the task is, for a model card. A one-program grammar (`ONE_PROGRAM`) adds its loop body and how many
@@ -396,7 +406,8 @@ class ExecTask:
         and the loop length, and the split blanks the loop length."""
         g = self.sizes_.grammar
         out = {"name": self.name, "style": self.style, "variables": list(self.sizes_.vars_),
-               "iterations": {str(k): list(v) for k, v in ITERS.items() if k in self.sizes_.vars_},
+               "iterations": {str(k): list(v) for k, v in (TIGHT_ITERS if self.sizes_.sep == "" else ITERS).items()
+                              if k in self.sizes_.vars_}, "sep": self.sizes_.sep,
                "list_probability": self.sizes_.list_prob, "grammar": g, "distinct_states": DISTINCT,
                "split": f"test iff SHA-256(program with range(N) blanked) falls in the lowest {self.test_fraction:g} "
                         "of the hash range (dblock/tasks/exec_task.py, ExecTask.split_of); evaluation uses the test "
@@ -405,7 +416,7 @@ class ExecTask:
             rng = random.Random(0)
             out["body"] = [ln for v in NAMES[:3] for ln in GRAMMARS[g](rng, NAMES[:3], v, False)]
             out["structure"] = ONE_PROGRAM[g]
-            prog = draw_program(rng, 3, 8, False, g)
+            prog = draw_program(rng, 3, 8, False, g, self.sizes_.sep)
             call = prog.rsplit("f(", 1)[0]
             out["held_out_starts"] = sum(self.split_of(f"{call}f({a},{b},{c})\n") == "test"
                                          for a in range(10) for b in range(10) for c in range(10))
@@ -415,7 +426,7 @@ class ExecTask:
         """{kind: (min, max) iterations} (the curriculum reads the largest maximum)."""
         out = {}
         for n in self.sizes_.vars_:
-            lo, hi = ITERS[n]
+            lo, hi = (TIGHT_ITERS if self.sizes_.sep == "" else ITERS)[n]
             if self.sizes_.max_iters is not None:
                 lo, hi = min(lo, self.sizes_.max_iters), min(hi, self.sizes_.max_iters)
             out[f"vars{n}"] = (lo, hi)
@@ -424,7 +435,7 @@ class ExecTask:
     def capped(self, max_digits: int) -> "ExecTask":
         """The same grammar with loops of at most `max_digits` iterations (a curriculum stage: below the shortest
         loop, exactly `max_digits`)."""
-        s = ExecSizes(self.sizes_.vars_, self.sizes_.list_prob, int(max_digits), self.sizes_.grammar)
+        s = ExecSizes(self.sizes_.vars_, self.sizes_.list_prob, int(max_digits), self.sizes_.grammar, self.sizes_.sep)
         return ExecTask(self.name, self.test_fraction, s)
 
     def split_of(self, prompt: str) -> str:
@@ -435,7 +446,7 @@ class ExecTask:
 
     def solve(self, prompt: str) -> Example:
         """The reference answer of a program of this grammar (what it prints)."""
-        names = re.search(r"^ print\(([a-c,]+)\)$", prompt, re.M)
+        names = re.search(r"^ print\(([a-c,]+?)(?:,sep='')?\)$", prompt, re.M)
         iters = re.search(r"range\((\d+)\)", prompt)
         if names is None or (iters is None and self.sizes_.grammar != "copy"):
             raise ValueError(f"not an exec-task program: {prompt[:60]!r}")
@@ -454,7 +465,7 @@ class ExecTask:
             iters = rng.randint(lo, hi)
             has_list = rng.random() < self.sizes_.list_prob
             for _ in range(64):
-                prog = draw_program(rng, n_vars, iters, has_list, self.sizes_.grammar)
+                prog = draw_program(rng, n_vars, iters, has_list, self.sizes_.grammar, self.sizes_.sep)
                 if self.split_of(prog) != split:
                     continue
                 answer = run(prog)
@@ -500,4 +511,6 @@ def _lines(text: str) -> list:
 
 
 def _values(text: str) -> list:
-    return text.split("<eos>", 1)[0].split()
+    """The printed values, in order: every value is one digit, so each character of a printed word (`6 7 1` or
+    `671`)."""
+    return [c for w in text.split("<eos>", 1)[0].split() for c in w]

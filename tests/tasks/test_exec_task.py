@@ -326,3 +326,33 @@ def test_a_one_program_grammar_describes_its_body_and_held_out_starts(grammar):
     text = _exec_data_text({"task_description": d, "vocab_size": 64, "family": "llada2_moe"})
     assert all(f"`{ln}`" in text for ln in d["body"]) and f"{d['held_out_starts']} of the 1,000 initial states" in text
     assert "body" not in get_task("exec").describe()                  # the full grammar: many programs
+
+
+def test_sep_none_prints_a_state_as_its_digits_and_is_what_python_prints():
+    """`exec:grammar=chain-b,sep=none`: `print(a,b,c,sep='')` (lines `671`), longer loops so the answers keep their
+    2..3 blocks; what a real Python prints; the values are the digits; another separator or keyword is refused."""
+    from dblock.tasks.exec_task import TIGHT_ITERS
+    task = get_task("exec:grammar=chain-b,sep=none")
+    examples = task.examples("train", 8) + task.examples("test", 8)
+    assert _python_prints(examples) == [e.answer for e in examples]
+    lo, hi = TIGHT_ITERS[3]
+    for e in examples:
+        assert e.prompt.count("print(a,b,c,sep='')") == 2 and task.solve(e.prompt) == e
+        lines = e.answer.split("\n")[:-1]
+        assert lo <= e.digits <= hi and len(lines) == e.digits + 1 and len(e.answer) + 1 <= MAX_ANSWER
+        assert all(len(ln) == 3 and ln.isdigit() for ln in lines)
+        for before, after in zip(lines, lines[1:]):
+            (a, b, c), (a2, b2, c2) = map(int, before), map(int, after)
+            assert a2 == ((3 * a + 1) % 10 if c > 4 else (a + 7) % 10)
+            assert b2 == (7 * b % 10 if a2 > 4 else (b + 3) % 10) and c2 == ((c + 1) % 10 if b2 > 4 else 3 * c % 10)
+    e = examples[0]
+    wrong = e.answer[:-2] + ("0" if e.answer[-2] != "0" else "1") + "\n"
+    assert task.score(e, e.answer) == {"answer_exact": True, "value_accuracy": 1.0}
+    got = task.score(e, wrong)
+    assert not got["answer_exact"] and got["value_accuracy"] == pytest.approx(1 - 1 / (3 * (e.digits + 1)))
+    assert get_task("exec:grammar=chain-b").examples("test", 1)[0].prompt.count("sep=") == 0   # the default layout
+    for bad in ("print(a,b,sep='-')", "print(a,b,end='')"):
+        with pytest.raises(ValueError, match="print\\(variables, sep=''\\)"):
+            run(f"def f(a,b):\n {bad}\nf(1,2)\n")
+    with pytest.raises(ValueError, match="sep=none"):
+        get_task("exec:grammar=chain-b,sep=tab")
