@@ -55,6 +55,10 @@ each variable a map of its own value chosen by a branch on the variable before i
 `else:a=(a+7)%10`, then b on the new a, c on the new b): one value and one bit each, a chain of three through
 every line.
 
+`sep=none` (`exec:grammar=chain-b,sep=none`) prints a state as its digits alone, `print(a,b,c,sep='')` (lines
+`671`): a block of 32 characters then holds 24 chained digits instead of 16, and the loops are longer (`TIGHT_ITERS`)
+so that the answers keep their two to three blocks.
+
 The simpler ones are what the learnability probe (benchmarks/exec_probe.py) starts from; docs/models.md ("The exec
 task") says which one the bundled exec model is trained on and why.
 
