@@ -135,8 +135,8 @@ class TimedForward(Forward):
 def _same_kind(fwd: Forward) -> Forward:
     """A second executor of the same kind over the same weights (its own plans and caches)."""
     if fwd.name == "epoch":
-        from dblock.optimized.executor import EpochExecutor
-        return EpochExecutor(fwd.model, fwd.ecfg)
+        from dblock.optimized.executor import epoch_class
+        return epoch_class(fwd.model)(fwd.model, fwd.ecfg)      # the family's class (DiffusionGemma has its own)
     return fwd            # the reference executors keep no per-block state: the same instance serves
 
 

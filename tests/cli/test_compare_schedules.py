@@ -150,3 +150,18 @@ def test_batched_multiblock_rows_do_not_count_the_baseline_pass_timed_beside_the
     assert row["den_base_cpu_s"] >= 0.2          # the baseline pass ran (on calls that carried a warm-up block)
     assert row["T_den_ms"] < 200 and row["TPS"] == pytest.approx(row["Y"] / row["den_cpu_s"])
     assert row["wall_TPS"] is None
+
+
+@pytest.mark.parametrize("family", ["llada2_moe", "diffusion_gemma"])
+def test_the_baseline_shadow_of_an_epoch_executor_is_its_familys_class(family):
+    """An OBA row of the Epoch executor times the baseline's pass on a second executor of the same kind: the
+    family's own Epoch class (DiffusionGemma's is not the llada one), over the same weights, with its own caches."""
+    from dblock.optimized.executor import epoch_class, epoch_forward
+    from dblock.profiling import measure
+    fwd = epoch_forward(make_tiny_model(family, seed=1), "full_compute")
+    shadow = measure._same_kind(fwd)
+    assert type(shadow) is epoch_class(fwd.model) and shadow is not fwd and shadow.model is fwd.model
+    rule = "entropy-bound" if family == "diffusion_gemma" else "threshold"
+    row = measure.decode_run(fwd, [[5, 6, 7], [9, 10, 11, 12, 13]], DecodeConfig(max_new_tokens=24, rule=rule), "oba",
+                             1, shadow="strip", seeds=[0, 0])
+    assert row["den_base_s"] is not None and row["F"] > 0
