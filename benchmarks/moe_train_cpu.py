@@ -12,7 +12,6 @@ fixed. Never used by tests.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -41,27 +40,10 @@ def routed_scan(self, x_TH, ids_TK, w_TK):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", default="exec:grammar=chain-b")
-    ap.add_argument("--size", default="code")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args(argv)
-    from dblock.tasks.exec_task import exec_tokenizer
-    from dblock.tasks.tokenizer import CharTokenizer
-    from dblock.tasks.train_config import TrainConfig, is_exec_task
-    from dblock.tasks.train_data import add_noise, batch_for_step, make_task
+    from benchmarks.train_step_cpu import fixed_step, parse
     from dblock.tasks.train_loss import diffusion_loss
-    from dblock.tasks.train_model import build_model, set_fused_attention
-
-    torch.set_num_threads(1)
-    cfg = TrainConfig(family="llada2_moe", out="/unused", size=args.size, task=args.task, block_size=32,
-                      batch_size=args.batch, steps=10)
-    tok = exec_tokenizer() if is_exec_task(args.task) else CharTokenizer()
-    model = build_model(cfg, tok)
-    set_fused_attention(model, True)
-    x0, prompt = batch_for_step(make_task(cfg), tok, cfg, 5)
-    xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps, torch.Generator().manual_seed(0))
+    args = parse(argv, __doc__, "exec:grammar=chain-b")
+    model, (x0, xt, masked, p, prompt) = fixed_step(args)
     sort = MoE.routed
     moe_s = [0.0]
 

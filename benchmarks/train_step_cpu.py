@@ -22,18 +22,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", default="exec:grammar=chain-k")
+def parse(argv, doc: str, task: str) -> argparse.Namespace:
+    """The options of the training-step benchmarks (this one and benchmarks/moe_train_cpu.py)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--task", default=task)
     ap.add_argument("--size", default="code")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def fixed_step(args) -> tuple:
+    """(model, (x0, xt, masked, p, prompt)): a llada2_moe `train-tiny` model of `args.size` with fused attention
+    and one fixed batch of `args.task` with fixed noise, on one torch thread."""
     from dblock.tasks.exec_task import exec_tokenizer
     from dblock.tasks.tokenizer import CharTokenizer
     from dblock.tasks.train_config import TrainConfig, is_exec_task
     from dblock.tasks.train_data import add_noise, batch_for_step, make_task
-    from dblock.tasks.train_loss import _prompt_blocks, diffusion_loss
     from dblock.tasks.train_model import build_model, set_fused_attention
 
     torch.set_num_threads(1)
@@ -44,6 +49,13 @@ def main(argv=None) -> int:
     set_fused_attention(model, True)
     x0, prompt = batch_for_step(make_task(cfg), tok, cfg, 5)
     xt, masked, p = add_noise(x0, prompt, model.config.mask_token_id, cfg.eps, torch.Generator().manual_seed(0))
+    return model, (x0, xt, masked, p, prompt)
+
+
+def main(argv=None) -> int:
+    from dblock.tasks.train_loss import _prompt_blocks, diffusion_loss
+    args = parse(argv, __doc__, "exec:grammar=chain-k")
+    model, (x0, xt, masked, p, prompt) = fixed_step(args)
     L, d = x0.shape[1], _prompt_blocks(prompt, 32) * 32
     times = {False: [], True: []}
     for _ in range(args.repeats):
