@@ -304,10 +304,10 @@ def _why_not(x: dict, rows: list = ()) -> str | None:
             if all(isinstance(yi.get(k, {}).get("value"), (int, float)) for k in ("r", "beta")):
                 one = yi["r"]["value"] * yi["beta"]["value"]
     return (f"why {x['model']} {x['schedule']} does not pay at batch {x.get('batch') or x['R']}: on this CPU a pass "
-            f"of {x.get('batch') or x['R']} requests is compute-bound, so the pass with the warm-up block costs "
+            f"of {x.get('batch') or x['R']} requests grows with its rows, so the pass with the warm-up block costs "
             f"r·β = {r * beta:.2f} of Native's while it saves 1 + α = {1 + a:.2f} of the passes" + (
-                f"; at batch 1 the same schedule's pass costs r·β = {one:.2f} (its row above): there a pass is bound "
-                "by its fixed per-layer costs, not by the rows it computes" if one is not None else ""))
+                f"; at batch 1 the same schedule's wider pass costs r·β = {one:.2f} of Native's (its row above)"
+                if one is not None else ""))
 
 
 def _regime(x: dict) -> str:
