@@ -47,7 +47,8 @@ PLAN = [
     ("code-masked", "reference", None, "native", {}, None),
     ("code-masked", "epoch", "epoch", "native", {}, None),
 ]
-N_PROBLEMS = {"tiny-masked": 32, "code-uniform": 16, "code-masked": 16}
+#: held-out problems per model, or per (model, batch) group where a group decodes fewer (its first ones)
+N_PROBLEMS = {"tiny-masked": 32, "code-uniform": 16, ("code-uniform", 1): 8, "code-masked": 16}
 REPEATS = 3
 
 
@@ -76,6 +77,12 @@ def _random_demo(n, as_json) -> int:
                          "schedule": "native" + (" no-cache" if no_cache else ""), "TPF": s["TPF"], "TPS": s["TPS"]})
     print(json.dumps(rows, indent=2) if as_json else "\n".join(str(r) for r in rows))
     return 0
+
+
+def _problems(name: str, batch: int | None, n: int | None) -> int:
+    """How many held-out problems the (model, batch) group decodes: `n` (`--n`), else `N_PROBLEMS[(name, batch)]`,
+    else `N_PROBLEMS[name]` (16 for a model it does not name)."""
+    return n or N_PROBLEMS.get((name, batch), N_PROBLEMS.get(name, 16))
 
 
 def _label(schedule: str, extra: dict) -> str:
@@ -115,15 +122,17 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
         family = model.config.family
         tok = TokenizerAdapter.from_folder(model.source)
         task = get_task(task_of(name))   # what the model was trained on (its card.json)
-        k = n or N_PROBLEMS.get(name, 16)
-        probs = task.examples("test", k)
-        prompts, grader = prompts_and_grader(task, tok, probs)   # code: a dict of quality metrics per request
+        sizes = {bs: _problems(name, bs, n) for m, *_, bs in PLAN if m == name}
+        probs = task.examples("test", max(sizes.values()))         # each group decodes the first k of these
+        all_prompts, grader = prompts_and_grader(task, tok, probs)   # code: a dict of quality metrics per request
         max_new = getattr(task, "max_new_tokens", 128)      # the code task: 64 (two blocks)
         fwds = {}
         jobs, specs = {}, {}
         for mname, executor, econf, schedule, extra, bs in PLAN:
             if mname != name:
                 continue
+            k = sizes[bs]
+            prompts = all_prompts[:k]
             bs = bs or k                        # the row's batch: None = every problem at once
             key = (executor, _label(schedule, extra), bs)
             if executor not in fwds:
@@ -134,15 +143,15 @@ def run_demo(n=None, as_json=False, repeats: int = REPEATS, profile: str | None 
             # the baseline's pass on the same rows is timed only where the batch compositions differ (a uniform-state
             # schedule changes passes per block); elsewhere both runs batch the same requests alike and β = 1
             shadow = "strip" if schedule in ("oba", "flowblock") and family == "diffusion_gemma" else None
-            jobs[key] = (lambda f=fwds[executor], d=dec, s=schedule, sh=shadow, b=bs:
-                         measure.decode_run(f, prompts, d, s, b, shadow=sh, seeds=[0] * k))
-            specs[key] = (executor, econf, schedule, extra, bs)
+            jobs[key] = (lambda f=fwds[executor], d=dec, s=schedule, sh=shadow, b=bs, ps=prompts:
+                         measure.decode_run(f, ps, d, s, b, shadow=sh, seeds=[0] * len(ps)))
+            specs[key] = (executor, econf, schedule, extra, bs, k)
         runs = measure.repeated(jobs, repeats, progress=bar)
         for key, rs in runs.items():
-            executor, econf, schedule, extra, bs = specs[key]
+            executor, econf, schedule, extra, bs, k = specs[key]
             base_key = ("reference", "native", bs)
             med = measure.median_run(rs)
-            graded = [grader(p, ids) for p, ids in zip(prompts, rs[0]["tokens"])]
+            graded = [grader(p, ids) for p, ids in zip(all_prompts[:k], rs[0]["tokens"])]
             ok = [g["correct"] if isinstance(g, dict) else g for g in graded]
             # the code task's whole-answer token accuracy (next line exact is all-or-nothing); None on other tasks
             tok_acc = (sum(g["answer_token_accuracy"] for g in graded) / k

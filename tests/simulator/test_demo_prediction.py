@@ -139,6 +139,9 @@ def test_every_demo_group_has_its_own_baseline_and_a_batch_1_row_says_so():
         groups.setdefault((name, bs), []).append((executor, schedule, extra))
     for g, rs in groups.items():
         assert ("reference", "native", {}) in rs, g
+    for name, *_, bs in demo.PLAN:                  # a group decodes its own number of problems; --n sets them all
+        assert demo._problems(name, bs, None) >= 1 and demo._problems(name, bs, 3) == 3
+    assert demo._problems("m", 1, None) == 16
     x = dict(R=16, batch=1)
     assert demo._regime(x) == "one request at a time (batch 1)"
     assert demo._regime(dict(R=16, batch=16)) == "all 16 requests in one batch"
