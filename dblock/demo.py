@@ -299,8 +299,9 @@ def _predict(name: str, model, rows: list, profile: str | None, quiet: bool, bat
 def _why_not(x: dict, rows: list = ()) -> str | None:
     """For a multi-block row of a uniform-state model measured at a batch above 1 that does not pay: why, from its
     own α and r (OBA pays when 1 + α > r·β, docs/counters.md); None for any other row."""
+    b = x.get("batch") or x["R"]
     if x.get("family") != "diffusion_gemma" or x["schedule"] not in ("oba", "flowblock") or x.get("verdict") != \
-            "does not pay" or (x.get("batch") or x["R"]) <= 1:
+            "does not pay" or b <= 1:
         return None
     ins = x.get("prediction_inputs", {})
     a, r, beta = (ins.get(k, {}).get("value") for k in ("alpha", "r", "beta"))
@@ -312,8 +313,8 @@ def _why_not(x: dict, rows: list = ()) -> str | None:
             yi = y.get("prediction_inputs", {})
             if all(isinstance(yi.get(k, {}).get("value"), (int, float)) for k in ("r", "beta")):
                 one = yi["r"]["value"] * yi["beta"]["value"]
-    return (f"why {x['model']} {x['schedule']} does not pay at batch {x.get('batch') or x['R']}: on this CPU a pass "
-            f"of {x.get('batch') or x['R']} requests grows with its rows, so the pass with the warm-up block costs "
+    return (f"why {x['model']} {x['schedule']} does not pay at batch {b}: on this CPU a pass "
+            f"of {b} requests grows with its rows, so the pass with the warm-up block costs "
             f"r·β = {r * beta:.2f} of Native's while it saves 1 + α = {1 + a:.2f} of the passes" + (
                 f"; at batch 1 the same schedule's wider pass costs r·β = {one:.2f} of Native's (its row above)"
                 if one is not None else ""))

@@ -56,13 +56,9 @@ def get_task(name: str, **kwargs):
                 opts.get("sep", "space") not in ("space", "none"):
             raise ValueError(bad)
         grammar, sep = opts.get("grammar", "full"), "" if opts.get("sep") == "none" else " "
-        if "vars" in opts:
-            sizes = ExecSizes(vars_=(int(opts["vars"]),), grammar=grammar, sep=sep)
-        elif grammar in FIXED_VARS:
-            sizes = ExecSizes(vars_=(FIXED_VARS[grammar],), grammar=grammar, sep=sep)
-        else:
-            sizes = ExecSizes(grammar=grammar, sep=sep)
-        return ExecTask(name=name, sizes=sizes)
+        vars_ = ((int(opts["vars"]),) if "vars" in opts else (FIXED_VARS[grammar],) if grammar in FIXED_VARS
+                 else ExecSizes.vars_)                      # the dataclass default: 2 or 3 variables
+        return ExecTask(name=name, sizes=ExecSizes(vars_=vars_, grammar=grammar, sep=sep))
     if base_task(name) == "code":
         from dblock.tasks.code import CodeTask
         if kwargs:

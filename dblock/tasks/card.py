@@ -190,8 +190,13 @@ def _exec_data_text(card: dict) -> str:
             "the line before, so the values form dependency chains as long as the loop. Programs whose trace repeats "
             f"a state within its first {d.get('distinct_states', '?')} lines are redrawn. Character tokenizer "
             f"(vocabulary {card.get('vocab_size', '?')}; `transformers.AutoTokenizer` loads `tokenizer.json`). "
-            f"Split: {d.get('split', '?')}. Metrics: the whole answer exact (the task's accuracy), the share of "
-            "printed values right (position by position) and the model's held-out loss per token "
+            f"Split: {d.get('split', '?')}. " + _exec_metrics_text(card))
+
+
+def _exec_metrics_text(card: dict) -> str:
+    """The Metrics sentence of an exec card's Data paragraph."""
+    return ("Metrics: the whole answer exact (the task's accuracy), the share of printed values right (position by "
+            "position) and the model's held-out loss per token "
             + ("(its canvas cross-entropy under uniform noise)" if card.get("family") == "diffusion_gemma" else
                "(its masked-diffusion training loss on the reference answer, an upper bound on the NLL)")
             + "; 95% bootstrap CIs over problems")
@@ -212,12 +217,7 @@ def _one_program_text(card: dict, d: dict, its: dict) -> str:
             f"Split: {d.get('split', '?')}: as the programs differ only in their call and loop length, the held-out "
             f"problems are those of {d.get('held_out_starts', '?')} of the 1,000 initial states, never a training "
             "program's start (a held-out state can still occur inside a training trace, since every trace walks "
-            "through other states); the evaluation draws distinct programs. Metrics: the whole answer exact (the "
-            "task's accuracy), the share of printed values right (position by position) and the model's held-out "
-            "loss per token "
-            + ("(its canvas cross-entropy under uniform noise)" if card.get("family") == "diffusion_gemma" else
-               "(its masked-diffusion training loss on the reference answer, an upper bound on the NLL)")
-            + "; 95% bootstrap CIs over problems")
+            "through other states); the evaluation draws distinct programs. " + _exec_metrics_text(card))
 
 
 def _exec_eval_lines(e: dict) -> str:

@@ -86,7 +86,7 @@ import ast
 import hashlib
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from dblock.tasks.arith import SPLITS, Example
@@ -383,6 +383,11 @@ class ExecSizes:
     grammar: str = "full"            # a key of GRAMMARS
     sep: str = " "                   # between a state's printed values: " " (print's default) or "" (sep='')
 
+    @property
+    def iters(self) -> dict:
+        """Loop lengths by number of variables: `TIGHT_ITERS` with sep='', else `ITERS`."""
+        return TIGHT_ITERS if self.sep == "" else ITERS
+
     def __post_init__(self):
         if self.grammar not in GRAMMARS:
             raise ValueError(f"exec grammar {self.grammar!r}: expected one of {', '.join(GRAMMARS)}")
@@ -410,7 +415,7 @@ class ExecTask:
         and the loop length, and the split blanks the loop length."""
         g = self.sizes_.grammar
         out = {"name": self.name, "style": self.style, "variables": list(self.sizes_.vars_),
-               "iterations": {str(k): list(v) for k, v in (TIGHT_ITERS if self.sizes_.sep == "" else ITERS).items()
+               "iterations": {str(k): list(v) for k, v in self.sizes_.iters.items()
                               if k in self.sizes_.vars_}, "sep": self.sizes_.sep,
                "list_probability": self.sizes_.list_prob, "grammar": g, "distinct_states": DISTINCT,
                "split": f"test iff SHA-256(program with range(N) blanked) falls in the lowest {self.test_fraction:g} "
@@ -430,7 +435,7 @@ class ExecTask:
         """{kind: (min, max) iterations} (the curriculum reads the largest maximum)."""
         out = {}
         for n in self.sizes_.vars_:
-            lo, hi = (TIGHT_ITERS if self.sizes_.sep == "" else ITERS)[n]
+            lo, hi = self.sizes_.iters[n]
             if self.sizes_.max_iters is not None:
                 lo, hi = min(lo, self.sizes_.max_iters), min(hi, self.sizes_.max_iters)
             out[f"vars{n}"] = (lo, hi)
@@ -439,8 +444,7 @@ class ExecTask:
     def capped(self, max_digits: int) -> "ExecTask":
         """The same grammar with loops of at most `max_digits` iterations (a curriculum stage: below the shortest
         loop, exactly `max_digits`)."""
-        s = ExecSizes(self.sizes_.vars_, self.sizes_.list_prob, int(max_digits), self.sizes_.grammar, self.sizes_.sep)
-        return ExecTask(self.name, self.test_fraction, s)
+        return ExecTask(self.name, self.test_fraction, replace(self.sizes_, max_iters=int(max_digits)))
 
     def split_of(self, prompt: str) -> str:
         """By the hash of the program with its loop length blanked: programs that differ only in `range(N)` print
