@@ -28,7 +28,7 @@ TRAIN_DEFAULTS = dict(seed=0, size="base", block_size=16, batch_size=32, lr=2e-3
                       save_every=200, threads=1, min_lr_frac=0.05, curriculum_steps=0, curriculum_start=2,
                       noisy_context=0.0, suffix_mask=0.0, eval_every=0, eval_n=64, vocab_size=2048, window=288,
                       fused_attention=False)
-LLADA2_SIZE_NAMES = ("base", "code", "code-micro", "exec", "micro", "small")   # sorted(LLADA2_SIZES | GEMMA_SIZES)
+LLADA2_SIZE_NAMES = ("base", "code", "code-3", "code-micro", "exec", "micro", "small")   # sorted(LLADA2_SIZES | GEMMA_SIZES)
 
 
 def _pair(s: str) -> tuple:
@@ -146,6 +146,9 @@ def add_parser(subparsers):
     t.add_argument("--init-from", default=None, metavar="MODEL",
                    help="start from this model's weights (a folder or bundled name of the same family and --size) "
                         "instead of the seeded init: the second stage of a recipe (default: from scratch)")
+    t.add_argument("--init-first-layers", action="store_true",
+                   help="with --init-from: a --size with fewer layers than that model takes its first layers (and "
+                        "its embedding, final norm and head) -- a shallower model started from a deeper one")
     t.add_argument("--eval-every", type=int_arg(0, 10_000_000), default=d.eval_every,
                    help=f"held-out accuracy every N steps, stored in the summary (default {d.eval_every}: off)")
     t.add_argument("--eval-n", type=int_arg(1, 100_000), default=d.eval_n,
@@ -231,7 +234,7 @@ def _code_task(name) -> bool:
 #: --out, --family (which must match), --stop-after, --save-dtype, --threads, --no-progress and --json
 RUN_SETTINGS = ("--minutes", "--steps", "--seed", "--size", "--task", "--add-digits", "--rev-len", "--div-digits",
                 "--block-size", "--batch-size", "--lr", "--warmup", "--bias-update", "--save-every", "--min-lr-frac",
-                "--curriculum-steps", "--curriculum-start", "--noisy-context", "--suffix-mask", "--init-from", "--eval-every",
+                "--curriculum-steps", "--curriculum-start", "--noisy-context", "--suffix-mask", "--init-from", "--init-first-layers", "--eval-every",
                 "--eval-n", "--vocab-size", "--tokenizer", "--window", "--block-warmup", "--fused-attention",
                 "--overwrite")
 TRAIN_RULES = (
@@ -245,6 +248,7 @@ TRAIN_RULES = (
              "uniform-state)", lambda a, c: a.family == "llada2_moe"),
     FlagRule(("--bias-update", "--block-warmup"), "to --family llada2_moe (DiffusionGemma's router has no expert bias "
              "and its objective no BD3 blocks)", lambda a, c: a.family == "llada2_moe"),
+    FlagRule("--init-first-layers", "with --init-from MODEL", lambda a, c: bool(a.init_from)),
     FlagRule("--curriculum-start", "with --curriculum-steps N > 0", lambda a, c: a.curriculum_steps > 0),
     FlagRule("--eval-n", "with --eval-every N > 0", lambda a, c: a.eval_every > 0),
 )
@@ -280,7 +284,7 @@ def _train(args) -> int:
                       div_digits=args.div_digits, min_lr_frac=args.min_lr_frac,
                       curriculum_steps=args.curriculum_steps, curriculum_start=args.curriculum_start,
                       noisy_context=args.noisy_context, suffix_mask=args.suffix_mask, eval_every=args.eval_every, eval_n=args.eval_n,
-                      init_from=args.init_from, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+                      init_from=args.init_from, init_first_layers=args.init_first_layers, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
                       window=args.window, fused_attention=args.fused_attention, save_dtype=args.save_dtype,
                       block_warmup=args.block_warmup)
     summary = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite)

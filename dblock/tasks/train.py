@@ -242,7 +242,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: Optional[int], log, run_d
     n_moe = len(model.config.moe_layers)
     loads_acc = torch.zeros(n_moe, model.config.num_experts, dtype=torch.float64)  # EMA (0.99) of the loads
     if state is None and cfg.init_from:
-        init_from_model(model, cfg.init_from, tok)
+        init_from_model(model, cfg.init_from, tok, first_layers=cfg.init_first_layers)
     if state is not None:
         loads_acc = state.restore(model, opt)       # model, optimizer, expert loads and RNG, checked, then read
     model.train()

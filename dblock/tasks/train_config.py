@@ -29,6 +29,11 @@ LLADA2_SIZES = {
     "exec": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  intermediate_size=384, moe_intermediate_size=32, num_experts=64, num_experts_per_tok=8,
                  num_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4),
+    # the code shape with three layers (the dense first layer and two MoE layers): fewer dependency-chain hops per
+    # forward, so a block of a chain takes more passes (`--init-first-layers` starts it from a deeper model)
+    "code-3": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   intermediate_size=384, moe_intermediate_size=96, num_experts=64, num_experts_per_tok=8,
+                   num_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4),
     # the same routing at test scale (seconds per step)
     "code-micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=16, intermediate_size=64, moe_intermediate_size=8, num_experts=16,
@@ -65,6 +70,7 @@ class TrainConfig:
     curriculum_start: int = 2        # (see `task_for_step`); 0 steps: the full task from step 0
     init_from: Optional[str] = None  # start from this model's weights (a HF folder or bundled name of the same family
                                      # and size) instead of the seeded init: a second stage of a recipe
+    init_first_layers: bool = False  # with init_from: take the source's first layers when the run has fewer
     noisy_context: float = 0.0       # probability per example that a block sees its predecessor still noisy (OBA's
                                      # warm-up block; see `noisy_context_mask` and train_uniform.uniform_loss)
     suffix_mask: float = 0.0         # llada2_moe: probability per example that the noise masks a suffix of the answer
@@ -128,7 +134,7 @@ def reproduce_command(cfg: TrainConfig, total: int) -> str:
     if cfg.suffix_mask:
         parts += ["--suffix-mask", str(cfg.suffix_mask)]
     if cfg.init_from:
-        parts += ["--init-from", cfg.init_from]
+        parts += ["--init-from", cfg.init_from] + (["--init-first-layers"] if cfg.init_first_layers else [])
     if is_code_task(cfg.task):
         parts += ["--window", str(cfg.window)]
         parts += ["--tokenizer", cfg.tokenizer] if cfg.tokenizer else ["--vocab-size", str(cfg.vocab_size)]

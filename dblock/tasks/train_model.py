@@ -77,13 +77,15 @@ def make_tokenizer(cfg: TrainConfig, run_dir: str, resume: bool):
     return tok
 
 
-def init_from_model(model: torch.nn.Module, source: str, tok=None) -> None:
+def init_from_model(model: torch.nn.Module, source: str, tok=None, first_layers: bool = False) -> None:
     """Copy the weights (and the expert bias) of the model at `source` into `model`; a ConfigError naming the
-    first differing config field when the two are not the same architecture. One difference is bridged: a run with
+    first differing config field when the two are not the same architecture. Two differences are bridged: a run with
     a character tokenizer (`tok`, e.g. the exec task's) started from a byte-level BPE model (the bundled code
     models: every single byte is a token of theirs) takes the embedding and LM-head row of each of its characters
     from that character's BPE token, and of each special token from the same special there -- so what the source
-    learned about characters carries over."""
+    learned about characters carries over; and with `first_layers` (`--init-first-layers`) a run with fewer layers
+    than the source takes the source's first layers (their attention types must match), its embedding, final norm
+    and head -- a shallower model that starts from what a deeper one's lower layers learned."""
     from dblock.errors import ConfigError
     from dblock.weights import load
     src = load(source)
@@ -92,7 +94,18 @@ def init_from_model(model: torch.nn.Module, source: str, tok=None) -> None:
     mapped = a.vocab_size != b.vocab_size and isinstance(tok, CharTokenizer) and a.vocab_size > 256
     if mapped:
         sd = _char_rows_from_bpe(sd, src, tok, source)
-    for field in ("family",) + (() if mapped else ("vocab_size",)) + ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
+    if first_layers:
+        n = b.num_hidden_layers
+        if a.num_hidden_layers < n:
+            raise ConfigError(f"--init-first-layers: {source} has {a.num_hidden_layers} layers, this run "
+                              f"{n}; it takes the first layers of a source with at least as many")
+        types_a, types_b = getattr(a, "layer_types", None), getattr(b, "layer_types", None)
+        if types_b is not None and list(types_a or [])[:n] != list(types_b):
+            raise ConfigError(f"--init-first-layers: the first {n} layer types of {source} are "
+                              f"{list(types_a or [])[:n]}, this run's {list(types_b)}")
+        sd = {k: v for k, v in sd.items() if not (k.startswith("layers.") and int(k.split(".")[1]) >= n)}
+    for field in ("family",) + (() if mapped else ("vocab_size",)) + (() if first_layers else ("num_hidden_layers",)) + (
+                  "hidden_size", "num_experts", "num_experts_per_tok",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                   "moe_intermediate_size"):
         if getattr(a, field, None) != getattr(b, field, None):

@@ -100,7 +100,7 @@ VALUES = {
     "--limit": "5", "--minutes": "1", "--size": "micro", "--task": "arith-small", "--add-digits": "1,2",
     "--rev-len": "1,2", "--div-digits": "2,3", "--block-size": "8", "--batch-size": "2", "--lr": "0.01",
     "--warmup": "1", "--bias-update": "0.01", "--save-every": "2", "--min-lr-frac": "0.1", "--curriculum-steps": "2",
-    "--curriculum-start": "3", "--noisy-context": "0.1", "--suffix-mask": "0.5", "--init-from": "tiny-masked", "--eval-every": "2",
+    "--curriculum-start": "3", "--noisy-context": "0.1", "--suffix-mask": "0.5", "--init-from": "tiny-masked", "--init-first-layers": None, "--eval-every": "2",
     "--eval-n": "2", "--vocab-size": "300", "--tokenizer": "tok", "--block-warmup": "1:2", "--fused-attention": None,
     "--overwrite": None, "--schedules-batch": "4", "--allow-unauthenticated": None, "--url": "http://127.0.0.1:9",
     "--rate": "1", "--rates": "1,2", "--duration": "1", "--replay": "a.txt", "--prompts": "task:arith",

@@ -161,6 +161,37 @@ def test_an_exec_run_starts_from_the_bpe_uniform_model(tmp_path):
         assert torch.equal(emb[tok.encode(ch)[0]], src_emb[bpe.encode(ch)[0]].float()), ch
 
 
+@pytest.mark.parametrize("family,source", [("llada2_moe", "code-masked"), ("diffusion_gemma", "code-uniform")])
+def test_a_shallower_run_starts_from_a_deeper_models_first_layers(tmp_path, family, source):
+    """`--size code-3 --init-from M --init-first-layers`: the three-layer model takes M's first three layers, its
+    final norm and head (embedding re-indexed as above); without the flag the layer count is refused by name, and a
+    source with fewer layers than the run is refused."""
+    import dblock
+    from dblock.errors import ConfigError
+    from dblock.tasks.train_config import TrainConfig, reproduce_command
+    from dblock.tasks.train_model import build_model, init_from_model
+    tok = exec_tokenizer()
+    cfg = TrainConfig(family=family, size="code-3", task="exec", block_size=32, out=str(tmp_path),
+                      init_from=source, init_first_layers=True)
+    model = build_model(cfg, tok)
+    assert model.config.num_hidden_layers == 3
+    with pytest.raises(ConfigError, match="num_hidden_layers is 5 there, 3"):
+        init_from_model(model, source, tok)
+    init_from_model(model, source, tok, first_layers=True)
+    src = dblock.load(source).state_dict()
+    got = model.state_dict()
+    assert {k.split(".")[1] for k in got if k.startswith("layers.")} == {"0", "1", "2"}
+    same = [k for k in got if k.startswith(("layers.", "norm."))]
+    assert len(same) > 20 and all(torch.equal(got[k], src[k].float()) for k in same)
+    assert "--init-from " + source + " --init-first-layers" in reproduce_command(cfg, 10)
+    deep = build_model(TrainConfig(family=family, size="code", task="exec", block_size=32, out=str(tmp_path)), tok)
+    shallow = tmp_path / "shallow"
+    from dblock.tasks.train_export import export
+    export(model, str(shallow), tok)
+    with pytest.raises(ConfigError, match="--init-first-layers: .* has 3 layers, this run 5"):
+        init_from_model(deep, str(shallow), tok, first_layers=True)
+
+
 def test_tokenizer_round_trips_and_loads_in_transformers(tmp_path):
     tok = exec_tokenizer()
     e = ExecTask().examples("test", 1)[0]
