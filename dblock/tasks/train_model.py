@@ -104,8 +104,8 @@ def init_from_model(model: torch.nn.Module, source: str, tok=None, first_layers:
             raise ConfigError(f"--init-first-layers: the first {n} layer types of {source} are "
                               f"{list(types_a or [])[:n]}, this run's {list(types_b)}")
         sd = {k: v for k, v in sd.items() if not (k.startswith("layers.") and int(k.split(".")[1]) >= n)}
-    for field in ("family",) + (() if mapped else ("vocab_size",)) + (() if first_layers else ("num_hidden_layers",)) + (
-                  "hidden_size", "num_experts", "num_experts_per_tok",
+    for field in ("family",) + (() if mapped else ("vocab_size",)) + ("hidden_size",) + (
+                  () if first_layers else ("num_hidden_layers",)) + ("num_experts", "num_experts_per_tok",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                   "moe_intermediate_size"):
         if getattr(a, field, None) != getattr(b, field, None):
