@@ -203,21 +203,27 @@ def _exec_metrics_text(card: dict) -> str:
 
 
 def _one_program_text(card: dict, d: dict, its: dict) -> str:
-    """The Data paragraph of a one-program exec grammar (`exec_task.ONE_PROGRAM`)."""
+    """The Data paragraph of an exec grammar of one loop body (`exec_task.ONE_PROGRAM`, or `WITH_SET`: the same
+    body, each program with its own list L)."""
     (k, (lo, hi)), = its.items()
     body = "; ".join(f"`{ln}`" for ln in d["body"])
+    listed = d.get("set_size")
+    split = (f"Split: {d.get('split', '?')}." if listed else
+             f"Split: {d.get('split', '?')}: as the programs differ only in their call and loop length, the held-out "
+             f"problems are those of {d.get('held_out_starts', '?')} of the 1,000 initial states, never a training "
+             "program's start (a held-out state can still occur inside a training trace, since every trace walks "
+             "through other states); the evaluation draws distinct programs.")
     return ("Generated from a seed, no download: the `exec` task (`dblock/tasks/exec_task.py`), \"what does this "
-            f"program print?\", grammar `{d.get('grammar')}`: every prompt is one fixed function of {k} variables -- "
+            f"program print?\", grammar `{d.get('grammar')}`: every prompt is "
+            + (f"a list `L` of {listed} distinct digits drawn per program and " if listed else "")
+            + f"one fixed function of {k} variables -- "
             f"`print` the state, then a `for` loop whose body is {body}, printing the state after each iteration -- "
             f"called with three digits (`f(a,b,c)`) and a loop of {lo}..{hi} iterations. The answer is what it prints "
             f"(found by running it in-process), one line per state, every value a digit. {d.get('structure', '')} "
             "Programs whose trace "
             f"repeats a state within its first {d.get('distinct_states', '?')} lines are redrawn. Character tokenizer "
             f"(vocabulary {card.get('vocab_size', '?')}; `transformers.AutoTokenizer` loads `tokenizer.json`). "
-            f"Split: {d.get('split', '?')}: as the programs differ only in their call and loop length, the held-out "
-            f"problems are those of {d.get('held_out_starts', '?')} of the 1,000 initial states, never a training "
-            "program's start (a held-out state can still occur inside a training trace, since every trace walks "
-            "through other states); the evaluation draws distinct programs. " + _exec_metrics_text(card))
+            + split + " " + _exec_metrics_text(card))
 
 
 def _exec_eval_lines(e: dict) -> str:

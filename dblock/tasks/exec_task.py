@@ -55,6 +55,11 @@ each variable a map of its own value chosen by a branch on the variable before i
 `else:a=(a+7)%10`, then b on the new a, c on the new b): one value and one bit each, a chain of three through
 every line.
 
+"chain-s" keeps chain-b's maps and makes each branch a membership test in a list L of five distinct digits drawn per
+program (`L=[1,4,5,8,9]` before the def; `if c in L:a=(a*3+1)%10` / `else:a=(a+7)%10`, ...): chain-b's step is
+one permutation of the 1,000 states, so a value k links on is a fixed function of the state that a model can learn
+as a lookup and commit several links a forward; with L varying, each link reads L once more.
+
 `sep=none` (`exec:grammar=chain-b,sep=none`) prints a state as its digits alone, `print(a,b,c,sep='')` (lines
 `671`): a block of 32 characters then holds 24 chained digits instead of 16, and the loops are longer (`TIGHT_ITERS`)
 so that the answers keep their two to three blocks.
@@ -215,7 +220,10 @@ class _Interp:
     def test(self, node) -> bool:
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
             return _CMPOPS[type(node.ops[0])](self.expr(node.left), self.expr(node.comparators[0]))
-        self.refuse(node, "a condition other than one comparison (>, <, ==)")
+        if (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.In)
+                and isinstance(node.comparators[0], ast.Name) and node.comparators[0].id == "L" and "L" in self.env):
+            return self.expr(node.left) in self.env["L"]
+        self.refuse(node, "a condition other than one comparison (>, <, ==) or `x in L`")
 
     def expr(self, node) -> int:
         if isinstance(node, ast.Constant):
@@ -325,6 +333,15 @@ CHAIN_B_BODY = {"a": ["if c>4:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a>4:b
                 "c": ["if b>4:c=(c+1)%10", "else:c=(c*3)%10"]}
 
 
+#: the loop body of "chain-s": chain-b's maps, each branch a membership test of the value before it in the program's
+#: list L of five distinct digits (`if c in L:`) -- L is drawn per program, so a value several links down the chain
+#: is not a function of the state alone: each link reads L once more (one attention hop), a forward cannot fold
+#: several links into one lookup
+CHAIN_S_BODY = {"a": ["if c in L:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a in L:b=(b*7)%10", "else:b=(b+3)%10"],
+                "c": ["if b in L:c=(c+1)%10", "else:c=(c*3)%10"]}
+SET_SIZE = 5                         # the digits of chain-s's list L
+
+
 def _fixed(body: dict):
     """The statement generator of a one-program grammar: its loop body's lines for variable v, whatever the draw."""
     return lambda rng, names, v, has_list: list(body[v])
@@ -334,7 +351,8 @@ def _fixed(body: dict):
 #: by its own constant: every program of a size has the same layout) and "copy" (no loop: the answer is the initial
 #: state) are the simpler grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum start from
 GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None, "acc": _acc, "acc-pm": _acc_pm,
-            "chain": _chain, "chain-k": _chain_k, "chain-u": _fixed(CHAIN_U_BODY), "chain-b": _fixed(CHAIN_B_BODY)}
+            "chain": _chain, "chain-k": _chain_k, "chain-u": _fixed(CHAIN_U_BODY), "chain-b": _fixed(CHAIN_B_BODY),
+            "chain-s": _fixed(CHAIN_S_BODY)}
 #: grammars whose function takes the step k as its last argument (`def f(a,b,k):`, the call `f(7,4,3)`)
 WITH_K = ("acc", "acc-pm", "chain-k")
 #: grammars of one program: every prompt is the same loop body, only the call's digits and the loop length vary
@@ -347,8 +365,14 @@ ONE_PROGRAM = {
     "chain-b": "Each value is one map of its own previous value chosen by a one-bit branch on the value computed just "
                "before it, so a line's three values are a chain of three and an answer a chain of three values per "
                "iteration."}
+#: grammars of one loop body whose programs also differ in a list L of `SET_SIZE` digits (with how their values
+#: depend on each other, for a model card)
+WITH_SET = {
+    "chain-s": "Each value is one map of its own previous value chosen by whether the value computed just before it "
+               "is in the program's list L, so a line's three values are a chain of three, and each link reads L "
+               "(drawn per program) once more: a value several links on is not a function of the state alone."}
 #: grammars written for one number of variables (the task's default for them)
-FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3, "chain-b": 3}
+FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3, "chain-b": 3, "chain-s": 3}
 
 
 def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full",
@@ -360,6 +384,8 @@ def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, gr
     params = names + ("k" if grammar in WITH_K else "")
     args = ",".join(str(rng.randint(0, 9) if p != "k" else rng.randint(1, 9)) for p in params)
     head = ("L=[" + ",".join(str(rng.randint(0, 9)) for _ in range(10)) + "]\n") if has_list and grammar == "full" else ""
+    if grammar in WITH_SET:
+        head = "L=[" + ",".join(str(d) for d in sorted(rng.sample(range(10), SET_SIZE))) + "]\n"
     pr = f"print({','.join(names)}" + (",sep=''" if sep == "" else "") + ")"
     lines = [f"def f({','.join(params)}):", f" {pr}"]
     if GRAMMARS[grammar] is not None:
@@ -421,6 +447,9 @@ class ExecTask:
                "split": f"test iff SHA-256(program with range(N) blanked) falls in the lowest {self.test_fraction:g} "
                         "of the hash range (dblock/tasks/exec_task.py, ExecTask.split_of); evaluation uses the test "
                         "split"}
+        if g in WITH_SET:
+            out["body"] = [ln for v in NAMES[:3] for ln in GRAMMARS[g](random.Random(0), NAMES[:3], v, False)]
+            out["structure"], out["set_size"] = WITH_SET[g], SET_SIZE
         if g in ONE_PROGRAM:
             rng = random.Random(0)
             out["body"] = [ln for v in NAMES[:3] for ln in GRAMMARS[g](rng, NAMES[:3], v, False)]

@@ -359,6 +359,40 @@ def test_a_one_program_grammar_describes_its_body_and_held_out_starts(grammar):
     assert "body" not in get_task("exec").describe()                  # the full grammar: many programs
 
 
+@pytest.mark.parametrize("sep", ["", ",sep=none"])
+def test_chain_s_branches_on_the_programs_list_and_is_what_python_prints(sep):
+    """`exec:grammar=chain-s`: chain-b's maps, each branch `x in L` for a list L of five distinct digits drawn per
+    program (so a value several links on is not a function of the state); what a real Python prints; the card names
+    the body and the list; `in` over anything but L is refused."""
+    from dblock.tasks.card import _exec_data_text
+    from dblock.tasks.exec_task import CHAIN_S_BODY, SET_SIZE
+    task = get_task("exec:grammar=chain-s" + sep)
+    assert task.sizes_.vars_ == (3,)
+    examples = task.examples("train", 8) + task.examples("test", 8)
+    assert _python_prints(examples) == [e.answer for e in examples]
+    body = "\n".join("  " + ln for v in "abc" for ln in CHAIN_S_BODY[v])
+    sets = set()
+    for e in examples:
+        head = re.match(r"L=\[([\d,]+)\]\ndef f\(a,b,c\):\n", e.prompt)
+        L = [int(d) for d in head[1].split(",")]
+        assert len(L) == SET_SIZE and L == sorted(set(L)) and body in e.prompt and task.solve(e.prompt) == e
+        sets.add(tuple(L))
+        lines = e.answer.split("\n")[:-1]
+        assert len(set(lines[:DISTINCT])) == DISTINCT and len(e.answer) + 1 <= MAX_ANSWER
+        for before, after in zip(lines, lines[1:]):
+            (a, b, c), (a2, b2, c2) = (map(int, ln.split() if " " in ln else ln) for ln in (before, after))
+            assert a2 == ((3 * a + 1) % 10 if c in L else (a + 7) % 10)
+            assert b2 == (7 * b % 10 if a2 in L else (b + 3) % 10) and c2 == ((c + 1) % 10 if b2 in L else 3 * c % 10)
+    assert len(sets) > 8                                              # the list varies from program to program
+    d = task.describe()
+    text = _exec_data_text({"task_description": d, "vocab_size": 64, "family": "llada2_moe"})
+    assert all(f"`{ln}`" in text for ln in d["body"]) and "a list `L` of 5 distinct digits" in text
+    assert "held_out_starts" not in d
+    for bad in ("if a in M:b=1\n  else:b=2", "if a in (1,2):b=1\n  else:b=2"):
+        with pytest.raises(ValueError, match="x in L"):
+            run(f"L=[1,2]\ndef f(a,b):\n for i in range(2):\n  {bad}\nf(1,2)\n")
+
+
 def test_sep_none_prints_a_state_as_its_digits_and_is_what_python_prints():
     """`exec:grammar=chain-b,sep=none`: `print(a,b,c,sep='')` (lines `671`), longer loops so the answers keep their
     2..3 blocks; what a real Python prints; the values are the digits; another separator or keyword is refused."""
