@@ -447,13 +447,13 @@ class ExecTask:
                "split": f"test iff SHA-256(program with range(N) blanked) falls in the lowest {self.test_fraction:g} "
                         "of the hash range (dblock/tasks/exec_task.py, ExecTask.split_of); evaluation uses the test "
                         "split"}
-        if g in WITH_SET:
-            out["body"] = [ln for v in NAMES[:3] for ln in GRAMMARS[g](random.Random(0), NAMES[:3], v, False)]
-            out["structure"], out["set_size"] = WITH_SET[g], SET_SIZE
-        if g in ONE_PROGRAM:
+        if g in ONE_PROGRAM or g in WITH_SET:
             rng = random.Random(0)
             out["body"] = [ln for v in NAMES[:3] for ln in GRAMMARS[g](rng, NAMES[:3], v, False)]
-            out["structure"] = ONE_PROGRAM[g]
+            out["structure"] = {**ONE_PROGRAM, **WITH_SET}[g]
+        if g in WITH_SET:
+            out["set_size"] = SET_SIZE
+        if g in ONE_PROGRAM:
             prog = draw_program(rng, 3, 8, False, g, self.sizes_.sep)
             call = prog.rsplit("f(", 1)[0]
             out["held_out_starts"] = sum(self.split_of(f"{call}f({a},{b},{c})\n") == "test"

@@ -29,16 +29,15 @@ LLADA2_SIZES = {
     "exec": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  intermediate_size=384, moe_intermediate_size=32, num_experts=64, num_experts_per_tok=8,
                  num_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4),
-    # the code shape with three layers (the dense first layer and two MoE layers): fewer dependency-chain hops per
-    # forward, so a block of a chain takes more passes (`--init-first-layers` starts it from a deeper model)
-    "code-3": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                   intermediate_size=384, moe_intermediate_size=96, num_experts=64, num_experts_per_tok=8,
-                   num_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4),
     # the same routing at test scale (seconds per step)
     "code-micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=16, intermediate_size=64, moe_intermediate_size=8, num_experts=16,
                        num_experts_per_tok=4, num_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2),
 }
+
+# the code shape with three layers (the dense first layer and two MoE layers): fewer dependency-chain hops per
+# forward, so a block of a chain takes more passes (`--init-first-layers` starts it from a deeper model)
+LLADA2_SIZES["code-3"] = dict(LLADA2_SIZES["code"], num_hidden_layers=3)
 
 
 @dataclass

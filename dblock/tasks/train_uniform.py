@@ -55,16 +55,13 @@ GEMMA_SIZES = {
                  num_experts=32, top_k_experts=4, sliding_window=128,
                  layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
                               "full_attention"]),
-    # its first three layers (two sliding, one full): fewer dependency-chain hops per forward
-    "code-3": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                   global_head_dim=64, num_global_key_value_heads=1, intermediate_size=256, moe_intermediate_size=96,
-                   num_experts=32, top_k_experts=4, sliding_window=128,
-                   layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
     "code-micro": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=16, global_head_dim=16, num_global_key_value_heads=1, intermediate_size=64,
                        moe_intermediate_size=8, num_experts=16, top_k_experts=4, sliding_window=32,
                        layer_types=["sliding_attention", "full_attention"]),
 }
+# code-uniform's first three layers (two sliding, one full): fewer dependency-chain hops per forward
+GEMMA_SIZES["code-3"] = dict(GEMMA_SIZES["code"], num_hidden_layers=3, layer_types=GEMMA_SIZES["code"]["layer_types"][:3])
 SC_PROB = 0.5        # self-conditioning: probability that an example's pass 2 gets pass 1's logits
 AUX_COEF = 0.01      # Switch load-balancing loss weight
 T_EPS = 1e-3         # t ~ U(T_EPS, 1 - T_EPS)
