@@ -44,21 +44,23 @@ def get_task(name: str, **kwargs):
         if name == "exec":
             return ExecTask()
         bad = (f"bad task {name!r}: the exec task takes 'exec' or 'exec:OPTION=VALUE,...' with grammar=G (G one of "
-               f"{', '.join(GRAMMARS)}), vars=N (N of 1, 2, 3: the number of variables) and/or sep=none (a state "
-               "printed as its digits alone, print(a,b,c,sep='')), e.g. 'exec:grammar=arith,vars=1'")
+               f"{', '.join(GRAMMARS)}), vars=N (N of 1, 2, 3: the number of variables), sep=none (a state "
+               "printed as its digits alone, print(a,b,c,sep='')) and/or calls=K (K of 1, 2, 3: f called K times, "
+               "one-program grammars), e.g. 'exec:grammar=arith,vars=1'")
         opts = {}
         for item in name.partition(":")[2].split(","):
             key, eq, val = item.partition("=")
-            if not eq or key in opts or key not in ("grammar", "vars", "sep"):
+            if not eq or key in opts or key not in ("grammar", "vars", "sep", "calls"):
                 raise ValueError(bad)
             opts[key] = val
         if opts.get("grammar", "full") not in GRAMMARS or opts.get("vars", "2") not in ("1", "2", "3") or \
-                opts.get("sep", "space") not in ("space", "none"):
+                opts.get("sep", "space") not in ("space", "none") or opts.get("calls", "1") not in ("1", "2", "3"):
             raise ValueError(bad)
         grammar, sep = opts.get("grammar", "full"), "" if opts.get("sep") == "none" else " "
         vars_ = ((int(opts["vars"]),) if "vars" in opts else (FIXED_VARS[grammar],) if grammar in FIXED_VARS
                  else ExecSizes.vars_)                      # the dataclass default: 2 or 3 variables
-        return ExecTask(name=name, sizes=ExecSizes(vars_=vars_, grammar=grammar, sep=sep))
+        return ExecTask(name=name, sizes=ExecSizes(vars_=vars_, grammar=grammar, sep=sep,
+                                                   calls=int(opts.get("calls", "1"))))
     if base_task(name) == "code":
         from dblock.tasks.code import CodeTask
         if kwargs:

@@ -209,8 +209,9 @@ def _one_program_text(card: dict, d: dict, its: dict) -> str:
     body = "; ".join(f"`{ln}`" for ln in d["body"])
     listed = d.get("set_size")
     split = (f"Split: {d.get('split', '?')}." if listed else
-             f"Split: {d.get('split', '?')}: as the programs differ only in their call and loop length, the held-out "
-             f"problems are those of {d.get('held_out_starts', '?')} of the 1,000 initial states, never a training "
+             f"Split: {d.get('split', '?')}: as the programs differ only in their call" + ("s" if d.get("calls", 1) > 1
+             else "") + " and loop length, the held-out problems are those " + ("whose every call starts from one " if
+             d.get("calls", 1) > 1 else "") + f"of {d.get('held_out_starts', '?')} of the 1,000 initial states, never a training "
              "program's start (a held-out state can still occur inside a training trace, since every trace walks "
              "through other states); the evaluation draws distinct programs.")
     return ("Generated from a seed, no download: the `exec` task (`dblock/tasks/exec_task.py`), \"what does this "
@@ -218,8 +219,13 @@ def _one_program_text(card: dict, d: dict, its: dict) -> str:
             + (f"a list `L` of {listed} distinct digits drawn per program and " if listed else "")
             + f"one fixed function of {k} variables -- "
             f"`print` the state, then a `for` loop whose body is {body}, printing the state after each iteration -- "
-            f"called with three digits (`f(a,b,c)`) and a loop of {lo}..{hi} iterations. The answer is what it prints "
-            f"(found by running it in-process), one line per state, every value a digit. {d.get('structure', '')} "
+            + (f"called {d['calls']} times, each call with its own three digits (`f(a,b,c)`, distinct initial states), "
+               f"and a loop of {lo}..{hi} iterations. The answer is what it prints (found by running it in-process): "
+               f"{d['calls']} traces one after another, each independent of the one before it, one line per state, "
+               "every value a digit. " if d.get("calls", 1) > 1 else
+               f"called with three digits (`f(a,b,c)`) and a loop of {lo}..{hi} iterations. The answer is what it "
+               "prints (found by running it in-process), one line per state, every value a digit. ")
+            + f"{d.get('structure', '')} "
             "Programs whose trace "
             f"repeats a state within its first {d.get('distinct_states', '?')} lines are redrawn. Character tokenizer "
             f"(vocabulary {card.get('vocab_size', '?')}; `transformers.AutoTokenizer` loads `tokenizer.json`). "

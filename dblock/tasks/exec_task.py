@@ -60,6 +60,12 @@ program (`L=[1,4,5,8,9]` before the def; `if c in L:a=(a*3+1)%10` / `else:a=(a+7
 one permutation of the 1,000 states, so a value k links on is a fixed function of the state that a model can learn
 as a lookup and commit several links a forward; with L varying, each link reads L once more.
 
+`calls=K` (2 or 3, `exec:grammar=chain-b,sep=none,calls=2`, one-program grammars only) calls the same function K
+times with different initial states, one call after another (`f(6,7,1)` / `f(2,0,9)`): the answer is K independent
+traces, each of `CALL_ITERS` iterations (shorter, so that the K traces keep the answer's two to three blocks). A later
+trace depends on the prompt, not on the answer before it, so a block that holds the start of the next trace can be
+decoded beside the block before it: the layout in which a warm-up block (One Block Ahead) has something to settle.
+
 `sep=none` (`exec:grammar=chain-b,sep=none`) prints a state as its digits alone, `print(a,b,c,sep='')` (lines
 `671`): a block of 32 characters then holds 24 chained digits instead of 16, and the loops are longer (`TIGHT_ITERS`)
 so that the answers keep their two to three blocks.
@@ -78,7 +84,9 @@ lines are redrawn (a cycle of a few states is copied, not computed).
 Splits, as the arith task: `sample(split, index)` is a pure function of (seed key, split, index); a program belongs to
 `test` iff the SHA-256 of its text, with the loop length blanked (`range(N)`), falls in the lowest `test_fraction` of
 the hash range -- programs that differ only in their loop length print prefixes of one trace, so they are held out
-together; problems of the other split are redrawn. Example.kind is `vars2` / `vars3`; Example.digits (the difficulty grade) is the number of iterations.
+together; problems of the other split are redrawn. A program of several calls is `test` iff each call alone (the
+program with only that call) is, so a held-out program's every trace starts from a held-out state; training draws
+only programs whose every call is a training one (`split_of` calls a mixed program `train`, and nothing draws it). Example.kind is `vars2` / `vars3`; Example.digits (the difficulty grade) is the number of iterations.
 
 Grading (`grade`): the whole answer exact (the printed lines, trailing whitespace ignored) -- the task's accuracy.
 `score` adds the per-value accuracy (the share of the reference's printed values equal, position by position, to the
@@ -105,6 +113,10 @@ ITERS = {1: (14, 30), 2: (8, 16), 3: (8, 14)}   # loop lengths by number of vari
 #: loop lengths with `sep=none` (lines of n + 1 characters instead of 2n: the answers keep their 2..3 blocks)
 TIGHT_ITERS = {1: (14, 30), 2: (12, 24), 3: (16, 22)}
 MAX_ANSWER = 96                      # characters (with <eos>: at most three blocks of 32)
+MAX_CALLS = 3                        # calls of f in one program (`calls=K`)
+#: loop lengths of a program of K calls (three variables), by layout (sep) and K: the K traces of iters + 1 lines
+#: keep the answer at 72..90 characters (sep='': 4 characters a line; sep=' ': 6)
+CALL_ITERS = {"": {2: (8, 10), 3: (5, 6)}, " ": {2: (5, 6), 3: (3, 4)}}
 
 # The character vocabulary of the exec models: the specials, then every character a program or its output uses, a
 # multiple of 8 (ids of the specials as in the arith tokenizer).
@@ -131,7 +143,8 @@ MAX_PROGRAM = 2000                   # characters: a program of this grammar is 
 def run(program: str) -> str:
     """What `program` prints, found by interpreting it: the text is parsed with `ast.parse` (which runs nothing)
     and walked by `_Interp`, which knows only the generator's grammar (assignments of digits and of the expression
-    forms above, a list of digits, one `for` over `range(N)`, `if`/`else` on one comparison, `print` of variables)
+    forms above, a list of digits, one `for` over `range(N)`, `if`/`else` on one comparison, `print` of variables,
+    at most `MAX_CALLS` calls of f)
     and refuses anything else with a ValueError naming the construct and its line. Nothing is `exec`'d: a prompt
     given to `solve` or `grade` may come from anywhere."""
     if not isinstance(program, str) or len(program) > MAX_PROGRAM:
@@ -164,14 +177,14 @@ class _Interp:
     """A walker over the AST of one program of the exec grammar (see `run`)."""
 
     def __init__(self, out: list):
-        self.out, self.env, self.func, self.called = out, {}, None, False
+        self.out, self.env, self.func, self.called = out, {}, None, 0
 
     @staticmethod
     def refuse(node, what: str):
         raise ValueError(f"not an exec-task program: line {getattr(node, 'lineno', '?')}: {what}")
 
     def block(self, stmts, level: str = "module") -> None:
-        """Run statements at `level`: "module" (the list L, `def f(...)`, the call `f(digits)`), "function" (its
+        """Run statements at `level`: "module" (the list L, `def f(...)`, the calls `f(digits)`), "function" (its
         body: print, one for loop), "loop" (assignments, if/else, print)."""
         for st in stmts:
             if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
@@ -191,10 +204,10 @@ class _Interp:
             elif level == "module" and isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) \
                     and isinstance(st.value.func, ast.Name) and st.value.func.id == "f":
                 call = st.value
-                if self.func is None or self.called or call.keywords \
+                if self.func is None or self.called >= MAX_CALLS or call.keywords \
                         or len(call.args) != len(self.func.args.args):
-                    self.refuse(st, "a call other than one f(digits) after its def")
-                self.called = True
+                    self.refuse(st, f"a call other than f(digits) after its def (at most {MAX_CALLS} calls)")
+                self.called += 1
                 self.env.update({a.arg: self.digit(v) for a, v in zip(self.func.args.args, call.args)})
                 self.block(self.func.body, "function")
             elif level in ("function", "loop") and isinstance(st, ast.Expr) and isinstance(st.value, ast.Call):
@@ -396,6 +409,16 @@ def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, gr
     return head + "\n".join(lines) + f"\nf({args})\n"
 
 
+def _call_programs(prompt: str) -> list:
+    """The one-call programs of `prompt`: its text before the first call, with each call `f(...)` alone."""
+    lines = prompt.split("\n")
+    first = next((k for k, ln in enumerate(lines) if ln.startswith("f(")), None)
+    if first is None:
+        return [prompt]
+    stem = "\n".join(lines[:first]) + "\n"
+    return [stem + ln + "\n" for ln in lines[first:] if ln.startswith("f(")]
+
+
 def _good(answer: str) -> bool:
     lines = answer.split("\n")[:-1]
     return len(set(lines[:DISTINCT])) == min(DISTINCT, len(lines)) and len(answer) + 1 <= MAX_ANSWER
@@ -408,10 +431,14 @@ class ExecSizes:
     max_iters: Optional[int] = None  # cap the loop length (the curriculum's early stages; 0: no loop iteration)
     grammar: str = "full"            # a key of GRAMMARS
     sep: str = " "                   # between a state's printed values: " " (print's default) or "" (sep='')
+    calls: int = 1                   # calls of f in a program, each from its own initial state (1..MAX_CALLS)
 
     @property
     def iters(self) -> dict:
-        """Loop lengths by number of variables: `TIGHT_ITERS` with sep='', else `ITERS`."""
+        """Loop lengths by number of variables: `TIGHT_ITERS` with sep='', else `ITERS`; `CALL_ITERS` for a program
+        of several calls."""
+        if self.calls > 1:
+            return {v: CALL_ITERS[self.sep][self.calls] for v in self.vars_}
         return TIGHT_ITERS if self.sep == "" else ITERS
 
     def __post_init__(self):
@@ -419,6 +446,11 @@ class ExecSizes:
             raise ValueError(f"exec grammar {self.grammar!r}: expected one of {', '.join(GRAMMARS)}")
         if self.sep not in (" ", ""):
             raise ValueError(f"exec sep {self.sep!r}: expected ' ' or ''")
+        if not (isinstance(self.calls, int) and 1 <= self.calls <= MAX_CALLS):
+            raise ValueError(f"exec calls {self.calls!r}: expected 1..{MAX_CALLS}")
+        if self.calls > 1 and self.grammar not in FIXED_VARS:
+            raise ValueError(f"exec calls={self.calls}: several calls are for the one-program grammars "
+                             f"({', '.join(FIXED_VARS)}), not {self.grammar!r}")
         if self.grammar in FIXED_VARS and tuple(self.vars_) != (FIXED_VARS[self.grammar],):
             raise ValueError(f"exec grammar {self.grammar!r} has {FIXED_VARS[self.grammar]} variables, "
                              f"not {', '.join(map(str, self.vars_))}")
@@ -433,7 +465,8 @@ class ExecTask:
     def __init__(self, name: str = "exec", test_fraction: float = 0.05, sizes: ExecSizes = ExecSizes()):
         self.name, self.test_fraction, self.sizes_ = name, float(test_fraction), sizes
         self._seed_key = f"exec|{sizes.vars_}|{sizes.list_prob}|{sizes.max_iters}" + (
-            f"|{sizes.grammar}" if sizes.grammar != "full" else "") + ("|sep=" if sizes.sep == "" else "")
+            f"|{sizes.grammar}" if sizes.grammar != "full" else "") + ("|sep=" if sizes.sep == "" else "") + (
+            f"|calls={sizes.calls}" if sizes.calls > 1 else "")
 
     def describe(self) -> dict:
         """What the task is, for a model card. A one-program grammar (`ONE_PROGRAM`) adds its loop body and how many
@@ -453,6 +486,10 @@ class ExecTask:
             out["structure"] = {**ONE_PROGRAM, **WITH_SET}[g]
         if g in WITH_SET:
             out["set_size"] = SET_SIZE
+        if self.sizes_.calls > 1:
+            out["calls"] = self.sizes_.calls
+            out["split"] = out["split"].replace("test iff SHA-256(program", "test iff, for each call, SHA-256(the "
+                                                "program with that call alone")
         if g in ONE_PROGRAM:
             prog = draw_program(rng, 3, 8, False, g, self.sizes_.sep)
             call = prog.rsplit("f(", 1)[0]
@@ -477,7 +514,12 @@ class ExecTask:
 
     def split_of(self, prompt: str) -> str:
         """By the hash of the program with its loop length blanked: programs that differ only in `range(N)` print
-        prefixes of one trace, so they fall on the same side (no held-out answer is a prefix of a training one)."""
+        prefixes of one trace, so they fall on the same side (no held-out answer is a prefix of a training one). A
+        program of several calls is `test` iff each of its one-call programs is (`train` otherwise; training draws
+        only programs whose every call is `train`)."""
+        parts = _call_programs(prompt)
+        if len(parts) > 1:
+            return "test" if all(self.split_of(p) == "test" for p in parts) else "train"
         return "test" if _hash(_LOOP_LEN.sub("range(N)", prompt)) % 1_000_000 < self.test_fraction * 1_000_000 \
             else "train"
 
@@ -501,6 +543,12 @@ class ExecTask:
             lo, hi = self.sizes()[f"vars{n_vars}"]
             iters = rng.randint(lo, hi)
             has_list = rng.random() < self.sizes_.list_prob
+            if self.sizes_.calls > 1:
+                prog = self._draw_calls(rng, split, n_vars, iters)
+                if prog is not None:
+                    return Example(prompt=prog, answer=run(prog), final=run(prog), kind=f"vars{n_vars}", digits=iters)
+                attempt += 1
+                continue
             for _ in range(64):
                 prog = draw_program(rng, n_vars, iters, has_list, self.sizes_.grammar, self.sizes_.sep)
                 if self.split_of(prog) != split:
@@ -509,6 +557,22 @@ class ExecTask:
                 if _good(answer):
                     return Example(prompt=prog, answer=answer, final=answer, kind=f"vars{n_vars}", digits=iters)
             attempt += 1
+
+    def _draw_calls(self, rng: random.Random, split: str, n_vars: int, iters: int) -> Optional[str]:
+        """A program of `calls` calls of one drawn function, each from a distinct initial state whose one-call
+        program is of `split` and whose trace is good; None when 64 draws a call found none."""
+        one = draw_program(rng, n_vars, iters, False, self.sizes_.grammar, self.sizes_.sep)
+        stem = _call_programs(one)[0].rsplit("f(", 1)[0]
+        calls: list = []
+        for _ in range(64 * self.sizes_.calls):
+            call = "f(" + ",".join(str(rng.randint(0, 9)) for _ in range(n_vars)) + ")\n"
+            if call in calls or self.split_of(stem + call) != split or not _good(run(stem + call)):
+                continue
+            calls.append(call)
+            if len(calls) == self.sizes_.calls:
+                prog = stem + "".join(calls)
+                return prog if len(run(prog)) + 1 <= MAX_ANSWER else None
+        return None
 
     def examples(self, split: str, n: int, start: int = 0) -> list:
         """`n` distinct problems of `split`: samples `start`, `start + 1`, ..., a program already drawn skipped (a

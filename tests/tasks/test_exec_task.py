@@ -421,3 +421,51 @@ def test_sep_none_prints_a_state_as_its_digits_and_is_what_python_prints():
             run(f"def f(a,b):\n {bad}\nf(1,2)\n")
     with pytest.raises(ValueError, match="sep=none"):
         get_task("exec:grammar=chain-b,sep=tab")
+
+
+@pytest.mark.parametrize("calls,sep", [(2, ",sep=none"), (3, ",sep=none"), (2, "")])
+def test_several_calls_are_independent_traces_what_python_prints_held_out_call_by_call(calls, sep):
+    """`calls=K`: one function called K times from distinct initial states; what a real Python prints; each trace is
+    the one-call program's own (a later trace does not depend on the answer before it); a held-out program's every
+    call is held out alone, a training program's none; the card says so."""
+    from dblock.tasks.card import _exec_data_text
+    from dblock.tasks.exec_task import CALL_ITERS, _call_programs
+    task = get_task(f"exec:grammar=chain-b{sep},calls={calls}")
+    assert task.sizes_.calls == calls
+    lo, hi = CALL_ITERS["" if sep else " "][calls]
+    train, test = task.examples("train", 12), task.examples("test", 12)
+    assert _python_prints(train + test) == [e.answer for e in train + test]
+    for e, split in [(e, "train") for e in train] + [(e, "test") for e in test]:
+        parts = _call_programs(e.prompt)
+        assert len(parts) == calls and len({p.rsplit("f(", 1)[1] for p in parts}) == calls
+        assert "".join(run(p) for p in parts) == e.answer                       # K independent traces, in order
+        assert all(task.split_of(p) == split for p in parts) and task.split_of(e.prompt) == split
+        assert lo <= e.digits <= hi and len(e.answer) + 1 <= MAX_ANSWER and task.solve(e.prompt) == e
+        assert len(e.answer.split("\n")[:-1]) == calls * (e.digits + 1)
+    # a program mixing a held-out call with a training one is never held out
+    held = _call_programs(test[0].prompt)[0]
+    stem = held.rsplit("f(", 1)[0]
+    other = next(c for c in (f"f({a},{b},{c})\n" for a in range(10) for b in range(10) for c in range(10))
+                 if task.split_of(stem + c) == "train")
+    assert task.split_of(held) == "test" and task.split_of(held + other) == "train"
+    d = task.describe()
+    assert d["calls"] == calls and "that call alone" in d["split"]
+    text = _exec_data_text({"task_description": d, "vocab_size": 64, "family": "diffusion_gemma"})
+    assert f"called {calls} times" in text and "every call starts from one" in text
+    # one call is the task as before: same programs, same split
+    one = get_task(f"exec:grammar=chain-b{sep}")
+    assert one.sizes_.calls == 1 and "calls" not in one.describe() and len(_call_programs(one.sample("train", 0).prompt)) == 1
+
+
+def test_several_calls_are_refused_outside_their_range_and_grammars():
+    with pytest.raises(ValueError, match="calls=K"):
+        get_task("exec:grammar=chain-b,calls=4")
+    with pytest.raises(ValueError, match="one-program grammars"):
+        get_task("exec:grammar=arith,calls=2")
+    from dblock.tasks.exec_task import ExecSizes
+    with pytest.raises(ValueError, match="exec calls 0"):
+        ExecSizes(vars_=(3,), grammar="chain-b", calls=0)
+    prog = "def f(a):\n print(a)\n" + "f(1)\n" * 4
+    assert run("def f(a):\n print(a)\n" + "f(1)\n" * 3) == "1\n1\n1\n"
+    with pytest.raises(ValueError, match="at most 3 calls"):
+        run(prog)
