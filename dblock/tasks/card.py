@@ -206,12 +206,13 @@ def _one_program_text(card: dict, d: dict, its: dict) -> str:
     """The Data paragraph of an exec grammar of one loop body (`exec_task.ONE_PROGRAM`, or `WITH_SET`: the same
     body, each program with its own list L)."""
     (k, (lo, hi)), = its.items()
+    call = "f(" + ",".join("abcd"[:int(k)]) + ")" if str(k) in "1234" else "f(...)"
     body = "; ".join(f"`{ln}`" for ln in d["body"])
     listed = d.get("set_size")
     split = (f"Split: {d.get('split', '?')}." if listed else
              f"Split: {d.get('split', '?')}: as the programs differ only in their call" + ("s" if d.get("calls", 1) > 1
              else "") + " and loop length, the held-out problems are those " + ("whose every call starts from one " if
-             d.get("calls", 1) > 1 else "") + f"of {d.get('held_out_starts', '?')} of the 1,000 initial states, never a training "
+             d.get("calls", 1) > 1 else "") + f"of {d.get('held_out_starts', '?')} of the {d.get('starts', 1000):,} initial states, never a training "
              "program's start (a held-out state can still occur inside a training trace, since every trace walks "
              "through other states); the evaluation draws distinct programs.")
     return ("Generated from a seed, no download: the `exec` task (`dblock/tasks/exec_task.py`), \"what does this "
@@ -219,11 +220,11 @@ def _one_program_text(card: dict, d: dict, its: dict) -> str:
             + (f"a list `L` of {listed} distinct digits drawn per program and " if listed else "")
             + f"one fixed function of {k} variables -- "
             f"`print` the state, then a `for` loop whose body is {body}, printing the state after each iteration -- "
-            + (f"called {d['calls']} times, each call with its own three digits (`f(a,b,c)`, distinct initial states), "
+            + (f"called {d['calls']} times, each call with its own {k} digits (`{call}`, distinct initial states), "
                f"and a loop of {lo}..{hi} iterations. The answer is what it prints (found by running it in-process): "
                f"{d['calls']} traces one after another, each independent of the one before it, one line per state, "
                "every value a digit. " if d.get("calls", 1) > 1 else
-               f"called with three digits (`f(a,b,c)`) and a loop of {lo}..{hi} iterations. The answer is what it "
+               f"called with {k} digits (`{call}`) and a loop of {lo}..{hi} iterations. The answer is what it "
                "prints (found by running it in-process), one line per state, every value a digit. ")
             + f"{d.get('structure', '')} "
             "Programs whose trace "

@@ -60,6 +60,13 @@ program (`L=[1,4,5,8,9]` before the def; `if c in L:a=(a*3+1)%10` / `else:a=(a+7
 one permutation of the 1,000 states, so a value k links on is a fixed function of the state that a model can learn
 as a lookup and commit several links a forward; with L varying, each link reads L once more.
 
+"chain-b4" is chain-b over four variables in a ring (`if d>4:a=(a*3+1)%10` / `else:a=(a+7)%10`, b on the new a, c
+on the new b, `if c>4:d=(d+9)%10` / `else:d=(d+8)%10`; d's maps chosen so that the step's shortest cycle is 218
+states: no answer repeats a state, so none is copied from a period). With three variables every value two or more links on is a
+function of the same three digits, so a model can learn each run of links as a lookup on 1,000 states and commit more
+links a forward the longer it trains; with four, a value k links on reads k + 1 digits, and from the third link on
+all four (10,000 states): past two links a model has to compose what it knows.
+
 `calls=K` (2 or 3, `exec:grammar=chain-b,sep=none,calls=2`, one-program grammars only) calls the same function K
 times with different initial states, one call after another (`f(6,7,1)` / `f(2,0,9)`): the answer is K independent
 traces, each of `CALL_ITERS` iterations (shorter, so that the K traces keep the answer's two to three blocks). A later
@@ -105,18 +112,19 @@ from typing import Optional
 from dblock.tasks.arith import SPLITS, Example
 from dblock.tasks.tokenizer import SPECIAL_TOKENS, CharTokenizer
 
-NAMES = "abc"
+NAMES = "abcd"
 OPS = ("+", "-", "*")
 CMPS = (">", "<", "==")
 DISTINCT = 8                         # the first DISTINCT states of a trace are all different
-ITERS = {1: (14, 30), 2: (8, 16), 3: (8, 14)}   # loop lengths by number of variables (answers of 2..3 blocks of 32)
+ITERS = {1: (14, 30), 2: (8, 16), 3: (8, 14), 4: (8, 10)}   # loop lengths by number of variables (answers of 2..3 blocks of 32)
 #: loop lengths with `sep=none` (lines of n + 1 characters instead of 2n: the answers keep their 2..3 blocks)
-TIGHT_ITERS = {1: (14, 30), 2: (12, 24), 3: (16, 22)}
+TIGHT_ITERS = {1: (14, 30), 2: (12, 24), 3: (16, 22), 4: (12, 17)}
 MAX_ANSWER = 96                      # characters (with <eos>: at most three blocks of 32)
 MAX_CALLS = 3                        # calls of f in one program (`calls=K`)
-#: loop lengths of a program of K calls (three variables), by layout (sep) and K: the K traces of iters + 1 lines
-#: keep the answer at 72..90 characters (sep='': 4 characters a line; sep=' ': 6)
-CALL_ITERS = {"": {2: (8, 10), 3: (5, 6)}, " ": {2: (5, 6), 3: (3, 4)}}
+#: loop lengths of a program of K calls of a function of V variables, by layout (sep) and (V, K): the K traces of
+#: iters + 1 lines keep the answer within MAX_ANSWER (a line is V + 1 characters with sep='', 2V with sep=' ')
+CALL_ITERS = {"": {(3, 2): (8, 10), (3, 3): (5, 6), (4, 2): (6, 8), (4, 3): (4, 5)},
+              " ": {(3, 2): (5, 6), (3, 3): (3, 4), (4, 2): (3, 4), (4, 3): (2, 2)}}
 
 # The character vocabulary of the exec models: the specials, then every character a program or its output uses, a
 # multiple of 8 (ids of the specials as in the arith tokenizer).
@@ -350,6 +358,12 @@ CHAIN_B_BODY = {"a": ["if c>4:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a>4:b
 #: list L of five distinct digits (`if c in L:`) -- L is drawn per program, so a value several links down the chain
 #: is not a function of the state alone: each link reads L once more (one attention hop), a forward cannot fold
 #: several links into one lookup
+#: the loop body of "chain-b4": chain-b's ring of maps over four variables (a branches on d, b on the new a, c on the new
+#: b, d on the new c). A value k links on depends on k + 1 of the digits before it, so past two links it is a function
+#: of all four (10,000 states), where chain-b's is a function of three (1,000) from the second link on. d's maps make
+#: the step a permutation of the 10,000 states whose shortest cycle is 218 (no answer repeats a state)
+CHAIN_B4_BODY = {"a": ["if d>4:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a>4:b=(b*7)%10", "else:b=(b+3)%10"],
+                 "c": ["if b>4:c=(c+1)%10", "else:c=(c*3)%10"], "d": ["if c>4:d=(d+9)%10", "else:d=(d+8)%10"]}
 CHAIN_S_BODY = {"a": ["if c in L:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a in L:b=(b*7)%10", "else:b=(b+3)%10"],
                 "c": ["if b in L:c=(c+1)%10", "else:c=(c*3)%10"]}
 SET_SIZE = 5                         # the digits of chain-s's list L
@@ -365,7 +379,7 @@ def _fixed(body: dict):
 #: state) are the simpler grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum start from
 GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None, "acc": _acc, "acc-pm": _acc_pm,
             "chain": _chain, "chain-k": _chain_k, "chain-u": _fixed(CHAIN_U_BODY), "chain-b": _fixed(CHAIN_B_BODY),
-            "chain-s": _fixed(CHAIN_S_BODY)}
+            "chain-s": _fixed(CHAIN_S_BODY), "chain-b4": _fixed(CHAIN_B4_BODY)}
 #: grammars whose function takes the step k as its last argument (`def f(a,b,k):`, the call `f(7,4,3)`)
 WITH_K = ("acc", "acc-pm", "chain-k")
 #: grammars of one program: every prompt is the same loop body, only the call's digits and the loop length vary
@@ -377,7 +391,10 @@ ONE_PROGRAM = {
                "before's b, b of its c, c of the new a.",
     "chain-b": "Each value is one map of its own previous value chosen by a one-bit branch on the value computed just "
                "before it, so a line's three values are a chain of three and an answer a chain of three values per "
-               "iteration."}
+               "iteration.",
+    "chain-b4": "Each value is one map of its own previous value chosen by a one-bit branch on the value computed just "
+                "before it, over four variables in a ring, so an answer is one chain of four values per iteration and "
+                "a value k links on depends on k + 1 digits before it (all four from the third link on)."}
 #: grammars of one loop body whose programs also differ in a list L of `SET_SIZE` digits (with how their values
 #: depend on each other, for a model card)
 WITH_SET = {
@@ -385,7 +402,7 @@ WITH_SET = {
                "is in the program's list L, so a line's three values are a chain of three, and each link reads L "
                "(drawn per program) once more: a value several links on is not a function of the state alone."}
 #: grammars written for one number of variables (the task's default for them)
-FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3, "chain-b": 3, "chain-s": 3}
+FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3, "chain-b": 3, "chain-s": 3, "chain-b4": 4}
 
 
 def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full",
@@ -438,7 +455,7 @@ class ExecSizes:
         """Loop lengths by number of variables: `TIGHT_ITERS` with sep='', else `ITERS`; `CALL_ITERS` for a program
         of several calls."""
         if self.calls > 1:
-            return {v: CALL_ITERS[self.sep][self.calls] for v in self.vars_}
+            return {v: CALL_ITERS[self.sep][(v, self.calls)] for v in self.vars_}
         return TIGHT_ITERS if self.sep == "" else ITERS
 
     def __post_init__(self):
@@ -482,7 +499,8 @@ class ExecTask:
                         "split"}
         if g in ONE_PROGRAM or g in WITH_SET:
             rng = random.Random(0)
-            out["body"] = [ln for v in NAMES[:3] for ln in GRAMMARS[g](rng, NAMES[:3], v, False)]
+            names = NAMES[:FIXED_VARS[g]]
+            out["body"] = [ln for v in names for ln in GRAMMARS[g](rng, names, v, False)]
             out["structure"] = {**ONE_PROGRAM, **WITH_SET}[g]
         if g in WITH_SET:
             out["set_size"] = SET_SIZE
@@ -491,10 +509,12 @@ class ExecTask:
             out["split"] = out["split"].replace("test iff SHA-256(program", "test iff, for each call, SHA-256(the "
                                                 "program with that call alone")
         if g in ONE_PROGRAM:
-            prog = draw_program(rng, 3, 8, False, g, self.sizes_.sep)
+            n = FIXED_VARS[g]
+            prog = draw_program(rng, n, 8, False, g, self.sizes_.sep)
             call = prog.rsplit("f(", 1)[0]
-            out["held_out_starts"] = sum(self.split_of(f"{call}f({a},{b},{c})\n") == "test"
-                                         for a in range(10) for b in range(10) for c in range(10))
+            out["held_out_starts"] = sum(self.split_of(f"{call}f({','.join(str(k // 10 ** j % 10) for j in range(n))})\n")
+                                         == "test" for k in range(10 ** n))
+            out["starts"] = 10 ** n
         return out
 
     def sizes(self) -> dict:
@@ -525,7 +545,7 @@ class ExecTask:
 
     def solve(self, prompt: str) -> Example:
         """The reference answer of a program of this grammar (what it prints)."""
-        names = re.search(r"^ print\(([a-c,]+?)(?:,sep='')?\)$", prompt, re.M)
+        names = re.search(r"^ print\(([a-d,]+?)(?:,sep='')?\)$", prompt, re.M)
         iters = re.search(r"range\((\d+)\)", prompt)
         if names is None or (iters is None and self.sizes_.grammar != "copy"):
             raise ValueError(f"not an exec-task program: {prompt[:60]!r}")

@@ -432,7 +432,7 @@ def test_several_calls_are_independent_traces_what_python_prints_held_out_call_b
     from dblock.tasks.exec_task import CALL_ITERS, _call_programs
     task = get_task(f"exec:grammar=chain-b{sep},calls={calls}")
     assert task.sizes_.calls == calls
-    lo, hi = CALL_ITERS["" if sep else " "][calls]
+    lo, hi = CALL_ITERS["" if sep else " "][(3, calls)]
     train, test = task.examples("train", 12), task.examples("test", 12)
     assert _python_prints(train + test) == [e.answer for e in train + test]
     for e, split in [(e, "train") for e in train] + [(e, "test") for e in test]:
@@ -469,3 +469,44 @@ def test_several_calls_are_refused_outside_their_range_and_grammars():
     assert run("def f(a):\n print(a)\n" + "f(1)\n" * 3) == "1\n1\n1\n"
     with pytest.raises(ValueError, match="at most 3 calls"):
         run(prog)
+
+
+@pytest.mark.parametrize("sep", ["", ",sep=none"])
+def test_chain_b4_is_a_ring_of_four_whose_traces_never_repeat_and_is_what_python_prints(sep):
+    """`exec:grammar=chain-b4`: chain-b's maps over four variables in a ring (a branches on d); what a real Python
+    prints; the rule digit by digit; the step is a permutation of the 10,000 states with no cycle short enough for an
+    answer to repeat a state (no answer can be copied from a period); the card names four variables and 10,000
+    starts."""
+    from dblock.tasks.card import _exec_data_text
+    from dblock.tasks.exec_task import CHAIN_B4_BODY, TIGHT_ITERS
+    task = get_task("exec:grammar=chain-b4" + sep)
+    assert task.sizes_.vars_ == (4,)
+    examples = task.examples("train", 8) + task.examples("test", 8)
+    assert _python_prints(examples) == [e.answer for e in examples]
+    body = "\n".join("  " + ln for v in "abcd" for ln in CHAIN_B4_BODY[v])
+
+    def step(a, b, c, d):
+        a = (3 * a + 1) % 10 if d > 4 else (a + 7) % 10
+        b = 7 * b % 10 if a > 4 else (b + 3) % 10
+        c = (c + 1) % 10 if b > 4 else 3 * c % 10
+        return a, b, c, (d + 9) % 10 if c > 4 else (d + 8) % 10
+    for e in examples:
+        assert body in e.prompt and e.prompt.startswith("def f(a,b,c,d):") and task.solve(e.prompt) == e
+        lines = [tuple(map(int, ln.split() if " " in ln else ln)) for ln in e.answer.split("\n")[:-1]]
+        assert all(step(*x) == y for x, y in zip(lines, lines[1:])) and len(e.answer) + 1 <= MAX_ANSWER
+    longest = max(TIGHT_ITERS[4][1], ExecTask().sizes_.iters[4][1]) + 1   # lines of the longest answer
+    seen, shortest = set(), 10 ** 4
+    for s0 in ((k // 1000, k // 100 % 10, k // 10 % 10, k % 10) for k in range(10 ** 4)):
+        if s0 in seen:
+            continue
+        cur, n = step(*s0), 1
+        while cur != s0:
+            seen.add(cur)
+            cur, n = step(*cur), n + 1
+        seen.add(s0)
+        shortest = min(shortest, n)
+    assert shortest > longest
+    d = task.describe()
+    assert d["starts"] == 10 ** 4 and 0 < d["held_out_starts"] < 10 ** 4
+    text = _exec_data_text({"task_description": d, "vocab_size": 64, "family": "llada2_moe"})
+    assert "function of 4 variables" in text and "`f(a,b,c,d)`" in text and "of the 10,000 initial states" in text
