@@ -67,6 +67,14 @@ function of the same three digits, so a model can learn each run of links as a l
 links a forward the longer it trains; with four, a value k links on reads k + 1 digits, and from the third link on
 all four (10,000 states): past two links a model has to compose what it knows.
 
+"chain-p" is the ring of four whose branches never cut the chain: a link's two maps always give values of different
+halves (`if d>4:a=(a*3+1)%10` / `else:a=(a*3+6)%10`, `if a>4:b=(b*7)%10` / `else:b=9-(b*7)%10`, `if b>4:c=(c+1)%10`
+/ `else:c=(c+6)%10`, `if c>4:d=(d*3+2)%10` / `else:d=(d*3+7)%10`). In chain-b (and chain-b4) about half of the
+values give the same half under either map, so the branch bit after them is known whatever came before: the chain
+of bits is cut every two links or so, and a run of links is a lookup on fewer digits than the state. Here every bit
+is the parity of the bits before it with what the values add, so from the fourth link on a value is a function of
+all four digits before it (10,000 states). The step's shortest cycle is 30 states.
+
 `calls=K` (2 or 3, `exec:grammar=chain-b,sep=none,calls=2`, one-program grammars only) calls the same function K
 times with different initial states, one call after another (`f(6,7,1)` / `f(2,0,9)`): the answer is K independent
 traces, each of `CALL_ITERS` iterations (shorter, so that the K traces keep the answer's two to three blocks). A later
@@ -364,6 +372,11 @@ CHAIN_B_BODY = {"a": ["if c>4:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a>4:b
 #: the step a permutation of the 10,000 states whose shortest cycle is 218 (no answer repeats a state)
 CHAIN_B4_BODY = {"a": ["if d>4:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a>4:b=(b*7)%10", "else:b=(b+3)%10"],
                  "c": ["if b>4:c=(c+1)%10", "else:c=(c*3)%10"], "d": ["if c>4:d=(d+9)%10", "else:d=(d+8)%10"]}
+#: the loop body of "chain-p": a ring of four variables like chain-b4, each map pair chosen so that the branch always
+#: decides the new value's half (`x>4`): no link cuts the chain of branch bits (in chain-b 47% of the (value, map)
+#: pairs give the same half either way, in chain-b4 55%), and the step's shortest cycle is 30 states
+CHAIN_P_BODY = {"a": ["if d>4:a=(a*3+1)%10", "else:a=(a*3+6)%10"], "b": ["if a>4:b=(b*7)%10", "else:b=9-(b*7)%10"],
+                "c": ["if b>4:c=(c+1)%10", "else:c=(c+6)%10"], "d": ["if c>4:d=(d*3+2)%10", "else:d=(d*3+7)%10"]}
 CHAIN_S_BODY = {"a": ["if c in L:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a in L:b=(b*7)%10", "else:b=(b+3)%10"],
                 "c": ["if b in L:c=(c+1)%10", "else:c=(c*3)%10"]}
 SET_SIZE = 5                         # the digits of chain-s's list L
@@ -379,7 +392,8 @@ def _fixed(body: dict):
 #: state) are the simpler grammars the learnability probe (benchmarks/exec_probe.py) and a curriculum start from
 GRAMMARS = {"full": _statement, "arith": _arith, "counter": _counter, "copy": None, "acc": _acc, "acc-pm": _acc_pm,
             "chain": _chain, "chain-k": _chain_k, "chain-u": _fixed(CHAIN_U_BODY), "chain-b": _fixed(CHAIN_B_BODY),
-            "chain-s": _fixed(CHAIN_S_BODY), "chain-b4": _fixed(CHAIN_B4_BODY)}
+            "chain-s": _fixed(CHAIN_S_BODY), "chain-b4": _fixed(CHAIN_B4_BODY),
+            "chain-p": _fixed(CHAIN_P_BODY)}
 #: grammars whose function takes the step k as its last argument (`def f(a,b,k):`, the call `f(7,4,3)`)
 WITH_K = ("acc", "acc-pm", "chain-k")
 #: grammars of one program: every prompt is the same loop body, only the call's digits and the loop length vary
@@ -394,7 +408,11 @@ ONE_PROGRAM = {
                "iteration.",
     "chain-b4": "Each value is one map of its own previous value chosen by a one-bit branch on the value computed just "
                 "before it, over four variables in a ring, so an answer is one chain of four values per iteration and "
-                "a value k links on depends on k + 1 digits before it (all four from the third link on)."}
+                "a value k links on depends on k + 1 digits before it (all four from the third link on).",
+    "chain-p": "Each value is one of two maps of its own previous value chosen by whether the value computed just "
+               "before it is over 4, over four variables in a ring, the two maps of a pair always giving values of "
+               "different halves (0..4, 5..9): every branch bit depends on every branch bit before it, so a value "
+               "several links on is a function of all four digits before it, never of fewer."}
 #: grammars of one loop body whose programs also differ in a list L of `SET_SIZE` digits (with how their values
 #: depend on each other, for a model card)
 WITH_SET = {
@@ -402,7 +420,7 @@ WITH_SET = {
                "is in the program's list L, so a line's three values are a chain of three, and each link reads L "
                "(drawn per program) once more: a value several links on is not a function of the state alone."}
 #: grammars written for one number of variables (the task's default for them)
-FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3, "chain-b": 3, "chain-s": 3, "chain-b4": 4}
+FIXED_VARS = {"chain": 3, "chain-k": 3, "chain-u": 3, "chain-b": 3, "chain-s": 3, "chain-b4": 4, "chain-p": 4}
 
 
 def draw_program(rng: random.Random, n_vars: int, iters: int, has_list: bool, grammar: str = "full",

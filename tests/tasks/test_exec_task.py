@@ -471,27 +471,41 @@ def test_several_calls_are_refused_outside_their_range_and_grammars():
         run(prog)
 
 
+def _b4_maps():
+    return {"a": (lambda x: (3 * x + 1) % 10, lambda x: (x + 7) % 10), "b": (lambda x: 7 * x % 10, lambda x: (x + 3) % 10),
+            "c": (lambda x: (x + 1) % 10, lambda x: 3 * x % 10), "d": (lambda x: (x + 9) % 10, lambda x: (x + 8) % 10)}
+
+
+def _p_maps():
+    return {"a": (lambda x: (3 * x + 1) % 10, lambda x: (3 * x + 6) % 10),
+            "b": (lambda x: 7 * x % 10, lambda x: 9 - 7 * x % 10),
+            "c": (lambda x: (x + 1) % 10, lambda x: (x + 6) % 10),
+            "d": (lambda x: (3 * x + 2) % 10, lambda x: (3 * x + 7) % 10)}
+
+
+@pytest.mark.parametrize("grammar,maps", [("chain-b4", _b4_maps), ("chain-p", _p_maps)])
 @pytest.mark.parametrize("sep", ["", ",sep=none"])
-def test_chain_b4_is_a_ring_of_four_whose_traces_never_repeat_and_is_what_python_prints(sep):
-    """`exec:grammar=chain-b4`: chain-b's maps over four variables in a ring (a branches on d); what a real Python
-    prints; the rule digit by digit; the step is a permutation of the 10,000 states with no cycle short enough for an
-    answer to repeat a state (no answer can be copied from a period); the card names four variables and 10,000
-    starts."""
+def test_the_rings_of_four_are_what_python_prints_and_never_repeat_a_state(grammar, maps, sep):
+    """`exec:grammar=chain-b4|chain-p`: a ring of four variables (a branches on d, b on the new a, ...); what a real
+    Python prints; the rule digit by digit (an oracle written here, not read from the body); the step is a
+    permutation of the 10,000 states with no cycle short enough for an answer to repeat a state (no answer can be
+    copied from a period); chain-p's two maps of every link give values of different halves (no link cuts the chain
+    of branch bits), chain-b4's do not; the card names four variables and 10,000 starts."""
     from dblock.tasks.card import _exec_data_text
-    from dblock.tasks.exec_task import CHAIN_B4_BODY, TIGHT_ITERS
-    task = get_task("exec:grammar=chain-b4" + sep)
+    from dblock.tasks.exec_task import TIGHT_ITERS
+    task = get_task(f"exec:grammar={grammar}{sep}")
     assert task.sizes_.vars_ == (4,)
     examples = task.examples("train", 8) + task.examples("test", 8)
     assert _python_prints(examples) == [e.answer for e in examples]
-    body = "\n".join("  " + ln for v in "abcd" for ln in CHAIN_B4_BODY[v])
+    m = maps()
 
-    def step(a, b, c, d):
-        a = (3 * a + 1) % 10 if d > 4 else (a + 7) % 10
-        b = 7 * b % 10 if a > 4 else (b + 3) % 10
-        c = (c + 1) % 10 if b > 4 else 3 * c % 10
-        return a, b, c, (d + 9) % 10 if c > 4 else (d + 8) % 10
+    def step(*s):
+        s = list(s)
+        for k, v in enumerate("abcd"):
+            s[k] = m[v][0](s[k]) if s[k - 1] > 4 else m[v][1](s[k])
+        return tuple(s)
     for e in examples:
-        assert body in e.prompt and e.prompt.startswith("def f(a,b,c,d):") and task.solve(e.prompt) == e
+        assert e.prompt.startswith("def f(a,b,c,d):") and task.solve(e.prompt) == e
         lines = [tuple(map(int, ln.split() if " " in ln else ln)) for ln in e.answer.split("\n")[:-1]]
         assert all(step(*x) == y for x, y in zip(lines, lines[1:])) and len(e.answer) + 1 <= MAX_ANSWER
     longest = max(TIGHT_ITERS[4][1], ExecTask().sizes_.iters[4][1]) + 1   # lines of the longest answer
@@ -506,6 +520,8 @@ def test_chain_b4_is_a_ring_of_four_whose_traces_never_repeat_and_is_what_python
         seen.add(s0)
         shortest = min(shortest, n)
     assert shortest > longest
+    cuts = sum((hi(x) > 4) == (lo(x) > 4) for hi, lo in m.values() for x in range(10))
+    assert (cuts == 0) == (grammar == "chain-p")
     d = task.describe()
     assert d["starts"] == 10 ** 4 and 0 < d["held_out_starts"] < 10 ** 4
     text = _exec_data_text({"task_description": d, "vocab_size": 64, "family": "llada2_moe"})
