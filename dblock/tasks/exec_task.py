@@ -77,7 +77,8 @@ all four digits before it (10,000 states). The step's shortest cycle is 30 state
 
 `calls=K` (2 or 3, `exec:grammar=chain-b,sep=none,calls=2`, one-program grammars only) calls the same function K
 times with different initial states, one call after another (`f(6,7,1)` / `f(2,0,9)`): the answer is K independent
-traces, each of `CALL_ITERS` iterations (shorter, so that the K traces keep the answer's two to three blocks). A later
+traces, each of `CALL_ITERS` iterations (shorter, so that the K traces keep the answer's two to three blocks; one
+loop length, so that each trace starts at the same place in every answer). A later
 trace depends on the prompt, not on the answer before it, so a block that holds the start of the next trace can be
 decoded beside the block before it: the layout in which a warm-up block (One Block Ahead) has something to settle.
 
@@ -129,10 +130,13 @@ ITERS = {1: (14, 30), 2: (8, 16), 3: (8, 14), 4: (8, 10)}   # loop lengths by nu
 TIGHT_ITERS = {1: (14, 30), 2: (12, 24), 3: (16, 22), 4: (12, 17)}
 MAX_ANSWER = 96                      # characters (with <eos>: at most three blocks of 32)
 MAX_CALLS = 3                        # calls of f in one program (`calls=K`)
-#: loop lengths of a program of K calls of a function of V variables, by layout (sep) and (V, K): the K traces of
-#: iters + 1 lines keep the answer within MAX_ANSWER (a line is V + 1 characters with sep='', 2V with sep=' ')
-CALL_ITERS = {"": {(3, 2): (8, 10), (3, 3): (5, 6), (4, 2): (6, 8), (4, 3): (4, 5)},
-              " ": {(3, 2): (5, 6), (3, 3): (3, 4), (4, 2): (3, 4), (4, 3): (2, 2)}}
+#: the loop length of a program of K calls of a function of V variables, by layout (sep) and (V, K): the K traces of
+#: iters + 1 lines keep the answer within MAX_ANSWER (a line is V + 1 characters with sep='', 2V with sep=' '). One
+#: length, so that every trace starts at the same place in every answer: a model that had to count lines to find
+#: where the next trace starts did not learn it (the first wrong line of 14 of 16 answers was the second trace's
+#: first, after 400 steps with loops of 8..10; docs/models.md)
+CALL_ITERS = {"": {(3, 2): (9, 9), (3, 3): (6, 6), (4, 2): (8, 8), (4, 3): (5, 5)},
+              " ": {(3, 2): (6, 6), (3, 3): (4, 4), (4, 2): (4, 4), (4, 3): (2, 2)}}
 
 # The character vocabulary of the exec models: the specials, then every character a program or its output uses, a
 # multiple of 8 (ids of the specials as in the arith tokenizer).
