@@ -53,8 +53,34 @@ def _card_of(model) -> dict:
 
 
 def task_of(model: str, default: str = "arith") -> str:
-    """The task a (bundled) model was trained on, from its card; `default` when it has none."""
-    return _card_of(model).get("task", default)
+    """The task a model was trained on: its card's, else the `train-tiny` run's (`train_summary.json` beside the
+    weights, as a run folder or its export holds it); `default` when it has neither. A summary that is not what
+    train-tiny writes is one ValueError naming the file and the key."""
+    card = _card_of(model)
+    if "task" in card:
+        return card["task"]
+    return _summary_task(model) or default
+
+
+def _summary_task(model) -> Optional[str]:
+    from dblock.errors import WeightsError
+    from dblock.weights_path import resolve_model_path
+    try:
+        path = os.path.join(resolve_model_path(model), "train_summary.json")
+    except WeightsError:
+        return None
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        try:
+            summary = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    task = summary.get("config", {}).get("task") if isinstance(summary, dict) and isinstance(
+        summary.get("config"), dict) else None
+    if not isinstance(task, str) or not task:
+        raise ValueError(f"{path}: config.task must be a task name (a non-empty string), got {task!r}")
+    return task
 
 
 def decoding_of(model) -> dict:

@@ -105,6 +105,25 @@ def test_task_of_defaults_without_a_card(tmp_path):
     assert task_of("no-such-model", default="x") == "x"
 
 
+def test_task_of_reads_a_runs_summary_without_a_card(tmp_path):
+    """A train-tiny run folder (or its export) has no card but a train_summary.json: the benchmarks and `dblock
+    eval` decode its task, not the default (an exec model given arithmetic prompts measures nothing); a card wins;
+    a summary without a task name is refused by file and key."""
+    summary = tmp_path / "train_summary.json"
+    summary.write_text(json.dumps({"config": {"task": "exec:grammar=chain-p,sep=none"}}))
+    assert task_of(str(tmp_path)) == "exec:grammar=chain-p,sep=none"
+    (tmp_path / "card.json").write_text(json.dumps({"task": "arith-long"}))
+    assert task_of(str(tmp_path)) == "arith-long"
+    (tmp_path / "card.json").unlink()
+    for bad in ({"config": {"task": 5}}, {"config": "x"}, [1]):
+        summary.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=r"train_summary\.json: config\.task"):
+            task_of(str(tmp_path))
+    summary.write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        task_of(str(tmp_path))
+
+
 def _summary():
     return {"config": {"family": "llada2_moe", "size": "base", "task": "arith-small", "block_size": 16, "threads": 1},
             "params": 123, "steps_done": 10, "wall_s": 90.0, "final": {"loss": 1.0},
