@@ -366,10 +366,6 @@ CHAIN_B_BODY = {"a": ["if c>4:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a>4:b
                 "c": ["if b>4:c=(c+1)%10", "else:c=(c*3)%10"]}
 
 
-#: the loop body of "chain-s": chain-b's maps, each branch a membership test of the value before it in the program's
-#: list L of five distinct digits (`if c in L:`) -- L is drawn per program, so a value several links down the chain
-#: is not a function of the state alone: each link reads L once more (one attention hop), a forward cannot fold
-#: several links into one lookup
 #: the loop body of "chain-b4": chain-b's ring of maps over four variables (a branches on d, b on the new a, c on the new
 #: b, d on the new c). A value k links on depends on k + 1 of the digits before it, so past two links it is a function
 #: of all four (10,000 states), where chain-b's is a function of three (1,000) from the second link on. d's maps make
@@ -381,6 +377,10 @@ CHAIN_B4_BODY = {"a": ["if d>4:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a>4:
 #: pairs give the same half either way, in chain-b4 55%), and the step's shortest cycle is 30 states
 CHAIN_P_BODY = {"a": ["if d>4:a=(a*3+1)%10", "else:a=(a*3+6)%10"], "b": ["if a>4:b=(b*7)%10", "else:b=9-(b*7)%10"],
                 "c": ["if b>4:c=(c+1)%10", "else:c=(c+6)%10"], "d": ["if c>4:d=(d*3+2)%10", "else:d=(d*3+7)%10"]}
+#: the loop body of "chain-s": chain-b's maps, each branch a membership test of the value before it in the program's
+#: list L of five distinct digits (`if c in L:`) -- L is drawn per program, so a value several links down the chain
+#: is not a function of the state alone: each link reads L once more (one attention hop), a forward cannot fold
+#: several links into one lookup
 CHAIN_S_BODY = {"a": ["if c in L:a=(a*3+1)%10", "else:a=(a+7)%10"], "b": ["if a in L:b=(b*7)%10", "else:b=(b+3)%10"],
                 "c": ["if b in L:c=(c+1)%10", "else:c=(c*3)%10"]}
 SET_SIZE = 5                         # the digits of chain-s's list L
