@@ -231,7 +231,7 @@ def test_train_tiny_exec_reduces_the_loss(tmp_path):
     ("x=1\n", "assignment to 'x'"),
     ("a=1\n", "assignment to 'a' here"),
     ("def f(a):\n print(b)\nf(1)\n", "'b' is not a variable"),
-    ("def f(a):\n print(a)\nf(1)\nf(2)\n", "a call other than one f(digits)"),
+    ("def f(a):\n print(a)\nf(1)\nf(2)\nf(3)\nf(4)\n", "a call other than f(digits) after its def (at most 3 calls)"),
     ("def f(a):\n print(a)\n", "never calls f"),
     ("def g(a):\n print(a)\ng(1)\n", "FunctionDef"),
     ("a=(1\n", "line 1"),
