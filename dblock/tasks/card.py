@@ -29,8 +29,8 @@ SUBSET_N = 24          # the regression subset: the first test problems, per-req
 CARD_MD = "MODEL_CARD.md"
 
 
-def read_card(folder: str) -> Optional[dict]:
-    path = os.path.join(folder, CARD_JSON)
+def _read_json(path: str):
+    """The JSON in `path`, None when there is no such file; invalid JSON is a ValueError naming the file."""
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -40,16 +40,25 @@ def read_card(folder: str) -> Optional[dict]:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def _card_of(model) -> dict:
-    """The card of a (bundled) model, {} when it has none or `model` is not a folder nor a bundled name (the
-    command reports that when it loads)."""
+def read_card(folder: str) -> Optional[dict]:
+    return _read_json(os.path.join(folder, CARD_JSON))
+
+
+def _folder_of(model) -> Optional[str]:
+    """The folder of a model folder or bundled name, None when `model` is neither (the command reports that when it
+    loads)."""
     from dblock.errors import WeightsError
     from dblock.weights_path import resolve_model_path
     try:
-        folder = resolve_model_path(model)
+        return resolve_model_path(model)
     except WeightsError:
-        return {}
-    return read_card(folder) or {}
+        return None
+
+
+def _card_of(model) -> dict:
+    """The card of a (bundled) model, {} when it has none or `model` is not a folder nor a bundled name."""
+    folder = _folder_of(model)
+    return (read_card(folder) or {}) if folder else {}
 
 
 def task_of(model: str, default: str = "arith") -> str:
@@ -63,19 +72,11 @@ def task_of(model: str, default: str = "arith") -> str:
 
 
 def _summary_task(model) -> Optional[str]:
-    from dblock.errors import WeightsError
-    from dblock.weights_path import resolve_model_path
-    try:
-        path = os.path.join(resolve_model_path(model), "train_summary.json")
-    except WeightsError:
+    folder = _folder_of(model)
+    path = os.path.join(folder, "train_summary.json") if folder else None
+    summary = _read_json(path) if path else None
+    if summary is None:
         return None
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        try:
-            summary = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
     task = summary.get("config", {}).get("task") if isinstance(summary, dict) and isinstance(
         summary.get("config"), dict) else None
     if not isinstance(task, str) or not task:
@@ -233,12 +234,13 @@ def _one_program_text(card: dict, d: dict, its: dict) -> str:
     body, each program with its own list L)."""
     (k, (lo, hi)), = its.items()
     call = "f(" + ",".join("abcd"[:int(k)]) + ")" if str(k) in "1234" else "f(...)"
+    many = d.get("calls", 1) > 1
     body = "; ".join(f"`{ln}`" for ln in d["body"])
     listed = d.get("set_size")
     split = (f"Split: {d.get('split', '?')}." if listed else
-             f"Split: {d.get('split', '?')}: as the programs differ only in their call" + ("s" if d.get("calls", 1) > 1
-             else "") + " and loop length, the held-out problems are those " + ("whose every call starts from one " if
-             d.get("calls", 1) > 1 else "") + f"of {d.get('held_out_starts', '?')} of the {d.get('starts', 1000):,} initial states, never a training "
+             f"Split: {d.get('split', '?')}: as the programs differ only in their call" + ("s" if many else "")
+             + " and loop length, the held-out problems are those " + ("whose every call starts from one " if many
+             else "") + f"of {d.get('held_out_starts', '?')} of the {d.get('starts', 1000):,} initial states, never a training "
              "program's start (a held-out state can still occur inside a training trace, since every trace walks "
              "through other states); the evaluation draws distinct programs.")
     return ("Generated from a seed, no download: the `exec` task (`dblock/tasks/exec_task.py`), \"what does this "
@@ -249,7 +251,7 @@ def _one_program_text(card: dict, d: dict, its: dict) -> str:
             + (f"called {d['calls']} times, each call with its own {k} digits (`{call}`, distinct initial states), "
                f"and a loop of {lo}..{hi} iterations. The answer is what it prints (found by running it in-process): "
                f"{d['calls']} traces one after another, each independent of the one before it, one line per state, "
-               "every value a digit. " if d.get("calls", 1) > 1 else
+               "every value a digit. " if many else
                f"called with {k} digits (`{call}`) and a loop of {lo}..{hi} iterations. The answer is what it "
                "prints (found by running it in-process), one line per state, every value a digit. ")
             + f"{d.get('structure', '')} "

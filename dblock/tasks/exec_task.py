@@ -586,9 +586,10 @@ class ExecTask:
             iters = rng.randint(lo, hi)
             has_list = rng.random() < self.sizes_.list_prob
             if self.sizes_.calls > 1:
-                prog = self._draw_calls(rng, split, n_vars, iters)
-                if prog is not None:
-                    return Example(prompt=prog, answer=run(prog), final=run(prog), kind=f"vars{n_vars}", digits=iters)
+                drawn = self._draw_calls(rng, split, n_vars, iters)
+                if drawn is not None:
+                    prog, answer = drawn
+                    return Example(prompt=prog, answer=answer, final=answer, kind=f"vars{n_vars}", digits=iters)
                 attempt += 1
                 continue
             for _ in range(64):
@@ -600,8 +601,8 @@ class ExecTask:
                     return Example(prompt=prog, answer=answer, final=answer, kind=f"vars{n_vars}", digits=iters)
             attempt += 1
 
-    def _draw_calls(self, rng: random.Random, split: str, n_vars: int, iters: int) -> Optional[str]:
-        """A program of `calls` calls of one drawn function, each from a distinct initial state whose one-call
+    def _draw_calls(self, rng: random.Random, split: str, n_vars: int, iters: int) -> Optional[tuple]:
+        """(program, answer): `calls` calls of one drawn function, each from a distinct initial state whose one-call
         program is of `split` and whose trace is good; None when 64 draws a call found none."""
         one = draw_program(rng, n_vars, iters, False, self.sizes_.grammar, self.sizes_.sep)
         stem = _call_programs(one)[0].rsplit("f(", 1)[0]
@@ -613,7 +614,8 @@ class ExecTask:
             calls.append(call)
             if len(calls) == self.sizes_.calls:
                 prog = stem + "".join(calls)
-                return prog if len(run(prog)) + 1 <= MAX_ANSWER else None
+                answer = run(prog)
+                return (prog, answer) if len(answer) + 1 <= MAX_ANSWER else None
         return None
 
     def examples(self, split: str, n: int, start: int = 0) -> list:
