@@ -144,13 +144,14 @@ class Attention(nn.Module):
         if self.fused:
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None], scale=1.0, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(B, L, self.n_head * self.head_dim)), k, v
-        rep = self.n_head // self.n_kv
-        keys = keys.repeat_interleave(rep, dim=1)                                        # (B, N, S, D)
-        vals = vals.repeat_interleave(rep, dim=1)                                        # (B, N, S, D)
-        att = q @ keys.transpose(-2, -1)                     # (B, N, L, S); scale 1.0: q/k norms set the scale
-        att = att.masked_fill(~mask[:, None], float("-inf"))
+        # GQA without copying K and V per query head: query head n reads kv head n // rep, so the rep query heads
+        # of one kv head are stacked as rep*L rows against its keys (each score the same dot product of D terms)
+        G, rep, D, S = self.n_kv, self.n_head // self.n_kv, self.head_dim, keys.shape[2]
+        att = q.reshape(B, G, rep * L, D) @ keys.transpose(-2, -1)   # (B, G, rep*L, S); scale 1.0: q/k norms set it
+        att = att.view(B, G, rep, L, S).masked_fill_(~mask[:, None, None], float("-inf"))
         att = torch.softmax(att, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-        y = (att @ vals).transpose(1, 2).reshape(B, L, self.n_head * self.head_dim)      # (B, L, N*D)
+        y = att.view(B, G, rep * L, S) @ vals                                            # (B, G, rep*L, D)
+        y = y.view(B, self.n_head, L, D).transpose(1, 2).reshape(B, L, self.n_head * D)  # (B, L, N*D)
         return self.o_proj(y), k, v
 
 

@@ -107,14 +107,15 @@ class Attention(nn.Module):
         if self.fused:
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None], enable_gqa=True)
             return self.wo(y.transpose(1, 2).reshape(B, L, self.n_head * self.head_dim)), k, v
-        rep = self.n_head // self.n_kv
-        keys = keys.repeat_interleave(rep, dim=1)                         # (B, N, S, D)
-        vals = vals.repeat_interleave(rep, dim=1)                         # (B, N, S, D)
-        att = (q @ keys.transpose(-2, -1)).to(up32(q.dtype)) / math.sqrt(self.head_dim)  # (B, N, L, S) fp32
-        att = att.masked_fill(~mask[:, None], float("-inf"))
+        # GQA without copying K and V per query head: query head n reads kv head n // rep, so the rep query heads
+        # of one kv head are stacked as rep*L rows against its keys (each score the same dot product of D terms)
+        G, rep, D, S = self.n_kv, self.n_head // self.n_kv, self.head_dim, keys.shape[2]
+        att = (q.reshape(B, G, rep * L, D) @ keys.transpose(-2, -1)).to(up32(q.dtype))  # (B, G, rep*L, S) fp32
+        att = att.view(B, G, rep, L, S).div_(math.sqrt(D))
+        att.masked_fill_(~mask[:, None, None], float("-inf"))
         att = torch.softmax(att, dim=-1).to(vals.dtype)
-        y = att @ vals                                                     # (B, N, L, D)
-        y = y.transpose(1, 2).reshape(B, L, self.n_head * self.head_dim)   # (B, L, N*D)
+        y = att.view(B, G, rep * L, S) @ vals                              # (B, G, rep*L, D)
+        y = y.view(B, self.n_head, L, D).transpose(1, 2).reshape(B, L, self.n_head * D)  # (B, L, N*D)
         return self.wo(y), k, v
 
 
