@@ -75,6 +75,22 @@ def stack_past(items: list[StepInput], n_layers: int, Lc: int):
     return past
 
 
+class PastStack:
+    """The committed caches of a call's requests stacked per layer (`stack_past`), kept while the same caches come
+    back at the same lengths: the passes of one block append nothing, so they share one stacking. The key holds the
+    cache objects themselves (compared by identity, kept alive by the key), never their ids."""
+
+    def __init__(self):
+        self.key: list = []
+        self.past = None
+
+    def get(self, items: list[StepInput], n_layers: int, Lc: int):
+        key = [(it.cache, it.cache.length if it.cache is not None else 0) for it in items]
+        if not (len(key) == len(self.key) and all(a is c and n == m for (a, n), (c, m) in zip(key, self.key))):
+            self.past, self.key = stack_past(items, n_layers, Lc), key
+        return self.past
+
+
 class LladaReference(Forward):
     """Dense reference executor over a LladaModel."""
 
@@ -83,6 +99,7 @@ class LladaReference(Forward):
     def __init__(self, model: LladaModel):
         self.model = model
         self.config = model.config
+        self._past = PastStack()
 
     @property
     def device(self):
@@ -94,7 +111,7 @@ class LladaReference(Forward):
     @torch.no_grad()
     def _run(self, items: list[StepInput], taps=None):
         tokens, positions, mask, valid, lens, cache_lens = build_layout(items, self.device)
-        past = stack_past(items, self.config.num_hidden_layers, mask.shape[2] - tokens.shape[1])
+        past = self._past.get(items, self.config.num_hidden_layers, mask.shape[2] - tokens.shape[1])
         hidden, new_kv = self.model(tokens, positions, mask, past, taps)
         return hidden, new_kv, lens
 

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dblock.gemma_config import SLIDING, GemmaConfig, rope_spec
-from dblock.reference.llada import expert_rows
+from dblock.reference.llada import attention_bias, expert_rows
 
 
 class RMSNorm(nn.Module):
@@ -148,7 +148,7 @@ class Attention(nn.Module):
         # of one kv head are stacked as rep*L rows against its keys (each score the same dot product of D terms)
         G, rep, D, S = self.n_kv, self.n_head // self.n_kv, self.head_dim, keys.shape[2]
         att = q.reshape(B, G, rep * L, D) @ keys.transpose(-2, -1)   # (B, G, rep*L, S); scale 1.0: q/k norms set it
-        att = att.view(B, G, rep, L, S).masked_fill_(~mask[:, None, None], float("-inf"))
+        att = att.view(B, G, rep, L, S).add_(attention_bias(mask, att.dtype)[:, None, None])
         att = torch.softmax(att, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
         y = att.view(B, G, rep * L, S) @ vals                                            # (B, G, rep*L, D)
         y = y.view(B, self.n_head, L, D).transpose(1, 2).reshape(B, L, self.n_head * D)  # (B, L, N*D)

@@ -49,6 +49,24 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+_BIASES: list = []                           # [(mask, its version, dtype, bias)]: the last two additive masks made
+
+
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form of a boolean attention mask (B, L, S): 0 where a key is seen, -inf where not. Adding it to
+    the scores is masking them bit for bit (s + 0 = s, s + -inf = -inf) and costs a tenth of a masked_fill
+    broadcast over the heads. The layers of a call share their mask tensor (DiffusionGemma: one per layer type), so
+    the last two made are kept, held by reference and matched by identity (never by id) and by the tensor's version
+    counter (a mask changed in place is made again)."""
+    global _BIASES
+    for m, v, d, bias in _BIASES:
+        if m is mask and v == mask._version and d == dtype:
+            return bias
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    _BIASES = [(mask, mask._version, dtype, bias)] + _BIASES[:1]
+    return bias
+
+
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin tables for absolute positions (any shape P) -> (*P, rotary_dim), NeoX layout (halves repeated)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device)
@@ -111,8 +129,7 @@ class Attention(nn.Module):
         # of one kv head are stacked as rep*L rows against its keys (each score the same dot product of D terms)
         G, rep, D, S = self.n_kv, self.n_head // self.n_kv, self.head_dim, keys.shape[2]
         att = (q.reshape(B, G, rep * L, D) @ keys.transpose(-2, -1)).to(up32(q.dtype))  # (B, G, rep*L, S) fp32
-        att = att.view(B, G, rep, L, S).div_(math.sqrt(D))
-        att.masked_fill_(~mask[:, None, None], float("-inf"))
+        att = att.view(B, G, rep, L, S).div_(math.sqrt(D)).add_(attention_bias(mask, att.dtype)[:, None, None])
         att = torch.softmax(att, dim=-1).to(vals.dtype)
         y = att.view(B, G, rep * L, S) @ vals                              # (B, G, rep*L, D)
         y = y.view(B, self.n_head, L, D).transpose(1, 2).reshape(B, L, self.n_head * D)  # (B, L, N*D)

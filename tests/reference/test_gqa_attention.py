@@ -46,3 +46,22 @@ def test_grouped_attention_is_torch_gqa(family, heads):
     set_fused_attention(model, True)
     theirs = _logits(model, prompts, current)
     torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)
+
+
+def test_attention_bias_is_the_mask_and_follows_it():
+    """The additive mask is 0 / -inf where the mask is True / False; the kept one is made again for a mask changed
+    in place or for another mask tensor, and is reused only for the very same unchanged tensor."""
+    from dblock.reference.llada import attention_bias
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, 3, 5, generator=g) > 0.3
+    b = attention_bias(mask, torch.float32)
+    assert torch.equal(b == 0, mask) and bool(torch.isneginf(b[~mask]).all())
+    assert attention_bias(mask, torch.float32) is b
+    assert attention_bias(mask, torch.float64).dtype == torch.float64
+    mask[0, 0, 0] = not bool(mask[0, 0, 0])                   # changed in place: made again
+    b2 = attention_bias(mask, torch.float32)
+    assert torch.equal(b2 == 0, mask)
+    other = mask.clone()
+    other[1, 2, 4] = not bool(other[1, 2, 4])
+    assert torch.equal(attention_bias(other, torch.float32) == 0, other)
+    assert torch.equal(attention_bias(mask, torch.float32) == 0, mask)
