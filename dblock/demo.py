@@ -1,8 +1,8 @@
 """`make demo` / `dblock demo`: the main job.
 
 On the bundled trained models it answers held-out problems of each model's task (from its card.json: `arith-long` for
-tiny-masked, `code` for code-masked and code-uniform) under every executor and schedule that applies and prints one
-compact table: model × executor × schedule → accuracy (code: also token accuracy), TPF, TPS, passes per block, and
+tiny-masked, `code` for code-uniform, its `exec` grammar for exec-masked) under every executor and schedule that
+applies and prints one compact table: model × executor × schedule → accuracy (code: also token accuracy), TPF, TPS, passes per block, and
 the TPS ratio over the reference dense Native row of the same model, **predicted and measured side by side**:
 
 * measured: every row decodes the same problems `repeats` times, interleaved with the other rows of its model, timed
@@ -44,11 +44,11 @@ PLAN = [
     ("code-uniform", "reference", None, "flowblock", {}, 1),
     ("code-uniform", "reference", None, "native", {}, None),
     ("code-uniform", "reference", None, "oba", {}, None),
-    ("code-masked", "reference", None, "native", {}, None),
-    ("code-masked", "epoch", "epoch", "native", {}, None),
+    ("exec-masked", "reference", None, "native", {}, None),
+    ("exec-masked", "epoch", "epoch", "native", {}, None),
 ]
 #: held-out problems per model, or per (model, batch) group where a group decodes fewer (its first ones)
-N_PROBLEMS = {"tiny-masked": 32, "code-uniform": 16, ("code-uniform", 1): 8, "code-masked": 16}
+N_PROBLEMS = {"tiny-masked": 32, "code-uniform": 16, ("code-uniform", 1): 8, "exec-masked": 32}
 REPEATS = 3
 
 
@@ -420,7 +420,8 @@ def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
                   "Block Ahead paper's No Accept; docs/algorithms.md §3). α = 0, and the wider pass costs r > 1.")
             break
     if any(task_of(b) == "code" for b in bundled):
-        print("\nacc: the task's accuracy (code: the next line exact); tok: the code task's token accuracy over the "
+        print("\nacc: the task's accuracy (code: the next line exact; exec: the whole printed answer exact); tok: "
+              "the code task's token accuracy over the "
               "whole answer (64 generated tokens against the file's own, position by position); same: requests "
               "whose whole output equals the reference Native row's (a uniform-state OBA or FlowBlock run draws its "
               "noise from one generator per block, "

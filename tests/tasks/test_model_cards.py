@@ -13,7 +13,8 @@ from dblock.weights_path import CHECKPOINTS_DIR
 
 ARITH = ["tiny-masked", "tiny-uniform"]
 CODE = ["code-masked", "code-uniform"]  # trained on the code task; their full evaluations (200 problems) take
-BUNDLED = ARITH + CODE                  # minutes, so their fresh check is the card's fixed subset, request by request
+EXEC = ["exec-masked"]                  # minutes, so their fresh check is the card's fixed subset, request by request
+BUNDLED = ARITH + CODE + EXEC           # (exec-masked: trained on one exec grammar, which its card names)
 
 
 def _card(name):
@@ -55,8 +56,9 @@ def test_card_describes_the_weights_beside_it(name):
     assert sum(p.numel() for p in m.parameters()) == card["params"]
     assert f"--family {card['family']}" in card["train_command"] and f"--steps {card['train_steps']}" in \
         card["train_command"]
-    if name in CODE:
-        assert task_of(name) == card["task"] == "code"
+    if name in CODE + EXEC:
+        assert task_of(name) == card["task"] == ("code" if name in CODE else card["train_task"])
+        assert name in CODE or card["task"].startswith("exec:")
         md = open(os.path.join(folder, CARD_MD)).read()
         assert card["eval_command"] in md and f"{card['eval']['passes_per_block_mean']:.2f}" in md
     else:
@@ -66,10 +68,12 @@ def test_card_describes_the_weights_beside_it(name):
 
 
 def test_the_code_checkpoints_fit_their_budget():
-    """The code models store bf16 weights; together at most 40 MB."""
-    size = sum(os.path.getsize(os.path.join(CHECKPOINTS_DIR, n, f)) for n in CODE
-               for f in os.listdir(os.path.join(CHECKPOINTS_DIR, n)))
-    assert size <= 40 * 2 ** 20, f"{CODE}: {size} bytes together, over the 40 MB budget"
+    """The code models store bf16 weights; together at most 40 MB. exec-masked (the code shape with a character
+    vocabulary, bf16) at most 21 MB."""
+    for names, mb in ((CODE, 40), (EXEC, 21)):
+        size = sum(os.path.getsize(os.path.join(CHECKPOINTS_DIR, n, f)) for n in names
+                   for f in os.listdir(os.path.join(CHECKPOINTS_DIR, n)))
+        assert size <= mb * 2 ** 20, f"{names}: {size} bytes together, over the {mb} MB budget"
 
 
 @pytest.mark.parametrize("name", BUNDLED)
@@ -82,8 +86,9 @@ def test_regression_subset_in_every_executor(name):
     sub = card["subset"]
     ref = run_eval_command(sub["command"])
     assert [q["correct"] for q in ref["requests"]] == sub["correct"] and ref["accuracy"] == sub["accuracy"]
-    if "token_accuracy" in sub:                        # code: the quality metrics and the passes, request by request
-        assert [q["token_accuracy"] for q in ref["requests"]] == sub["token_accuracy"]
+    key = "token_accuracy" if "token_accuracy" in sub else "value_accuracy" if "value_accuracy" in sub else None
+    if key:                                  # code / exec: the quality metrics and the passes, request by request
+        assert [q[key] for q in ref["requests"]] == sub[key]
         assert [q["passes"] for q in ref["requests"]] == sub["passes"]
         # the decoded metrics exactly; the held-out loss (a float reduction over the vocabulary) to 1e-6: its last
         # bits depend on the CPU's vector width, and a card measured on one machine is checked on another
