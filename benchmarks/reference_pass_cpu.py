@@ -37,7 +37,8 @@ sys.path.insert(0, ROOT)
 import dblock  # noqa: E402
 from dblock.forward import Segment, StepInput, block_causal  # noqa: E402
 from dblock.reference import llada  # noqa: E402
-from dblock.reference.executor import LladaReference, stack_past  # noqa: E402
+from dblock.reference.executor import LladaReference  # noqa: E402
+from benchmarks.epoch_cpu import MoETimer  # noqa: E402
 
 CONFIGS = ("copies", "grouped", "kept")
 
@@ -61,8 +62,10 @@ def attention_copies(self, x, positions, mask, past_k=None, past_v=None):
 class StackEveryPass:
     """`PastStack` without keeping: the committed caches stacked on every call (the earlier executor)."""
 
-    def get(self, items, n_layers, Lc):
-        return stack_past(items, n_layers, Lc)
+    kept = False
+
+    def get(self, items, make):
+        return make()
 
 
 def requests(model, batch: int, prompt: int, seed: int = 0):
@@ -80,13 +83,14 @@ def requests(model, batch: int, prompt: int, seed: int = 0):
     return prompts, blocks
 
 
-def _seg(tokens, start, live_N):
-    return Segment(block=start // 32, tokens=tokens, positions=torch.arange(start, start + len(tokens)), live=live_N,
+def _seg(tokens, start, live_N, C):
+    return Segment(block=start // C, tokens=tokens, positions=torch.arange(start, start + len(tokens)), live=live_N,
                    decoded=~live_N)
 
 
-def run_block(model, config: str, prompts, blocks, passes: int, moe_time: list):
-    """Append the prompts, then `passes` denoising calls of one block -> (thread-CPU s per pass, last logits)."""
+def run_block(model, config: str, prompts, blocks, passes: int, timer: MoETimer):
+    """Append the prompts, then `passes` denoising calls of one block -> (thread-CPU s per pass, the last call's
+    logits, MoE thread-CPU s per pass)."""
     attn_cls = llada.Attention
     saved = attn_cls.forward
     if config == "copies":
@@ -94,30 +98,22 @@ def run_block(model, config: str, prompts, blocks, passes: int, moe_time: list):
     try:
         fwd = LladaReference(model)
         if config != "kept":
-            fwd._past = StackEveryPass()
+            fwd.past_stack = StackEveryPass()
         caches = [fwd.new_cache() for _ in prompts]
-        fwd.append([StepInput(i, [_seg(p, 0, torch.zeros(len(p), dtype=torch.bool))], block_causal(1), caches[i]) for i, p in enumerate(prompts)])
-        M = model.config.mask_token_id
-        items = [StepInput(i, [_seg(b, len(prompts[i]), b == M)], block_causal(1), caches[i])
+        C, M = model.config.block_size, model.config.mask_token_id
+        fwd.append([StepInput(i, [_seg(p, 0, torch.zeros(len(p), dtype=torch.bool), C)], block_causal(1), caches[i])
+                    for i, p in enumerate(prompts)])
+        items = [StepInput(i, [_seg(b, len(prompts[i]), b == M, C)], block_causal(1), caches[i])
                  for i, b in enumerate(blocks)]
-        moe_time[0] = 0.0
+        timer.moe, timer.on = 0.0, True
         c0 = time.thread_time()
         for _ in range(passes):
             out = fwd.denoise(items)
         cpu = (time.thread_time() - c0) / passes
-        return cpu, torch.cat([o[0] for o in out]), moe_time[0] / passes
+        timer.on = False
+        return cpu, torch.cat([o[0] for o in out]), timer.moe / passes
     finally:
         attn_cls.forward = saved
-
-
-def moe_timer(model, acc: list):
-    """Thread-CPU time inside the MoE modules (router, routed and shared experts) into acc[0]."""
-    start = {}
-    for layer in model.layers:
-        if layer.is_moe:
-            layer.mlp.register_forward_pre_hook(lambda mod, a: start.__setitem__(id(mod), time.thread_time()))
-            layer.mlp.register_forward_hook(
-                lambda mod, a, y: acc.__setitem__(0, acc[0] + time.thread_time() - start[id(mod)]))
 
 
 def main():
@@ -140,15 +136,14 @@ def main():
         raise SystemExit(f"reference_pass_cpu.py: error: --model {args.model}: a llada2_moe or llada_moe model, not "
                          f"{model.config.family}")
     prompts, blocks = requests(model, args.batch, args.prompt)
-    acc = [0.0]
-    moe_timer(model, acc)
+    timer = MoETimer(model)
     cpu = {c: [] for c in CONFIGS}
     moe = {c: [] for c in CONFIGS}
     logits = {}
     with torch.no_grad():
         for _ in range(args.repeats):
             for c in CONFIGS:
-                t, z, m = run_block(model, c, prompts, blocks, args.passes, acc)
+                t, z, m = run_block(model, c, prompts, blocks, args.passes, timer)
                 cpu[c].append(t)
                 moe[c].append(m)
                 logits[c] = z

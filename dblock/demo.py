@@ -2,8 +2,9 @@
 
 On the bundled trained models it answers held-out problems of each model's task (from its card.json: `arith-long` for
 tiny-masked, `code` for code-uniform, its `exec` grammar for exec-masked) under every executor and schedule that
-applies and prints one compact table: model × executor × schedule → accuracy (code: also token accuracy), TPF, TPS, passes per block, and
-the TPS ratio over the reference dense Native row of the same model, **predicted and measured side by side**:
+applies and prints one compact table: model × executor × schedule → accuracy (code: also token accuracy), TPF, TPS,
+passes per block, and the TPS ratio over the reference dense Native row of the same model, **predicted and measured
+side by side**:
 
 * measured: every row decodes the same problems `repeats` times, interleaved with the other rows of its model, timed
   in thread-CPU time (`dblock/profiling/measure.py`); the TPS ratio is the median of the per-repeat ratios and its
@@ -421,8 +422,8 @@ def _print(rows: list, bundled: list, repeats: int, seconds: float) -> None:
             break
     if any(task_of(b) == "code" for b in bundled):
         print("\nacc: the task's accuracy (code: the next line exact; exec: the whole printed answer exact); tok: "
-              "the code task's token accuracy over the "
-              "whole answer (64 generated tokens against the file's own, position by position); same: requests "
+              "the code task's token accuracy over the whole answer (64 generated tokens against the file's own, "
+              "position by position); same: requests "
               "whose whole output equals the reference Native row's (a uniform-state OBA or FlowBlock run draws its "
               "noise from one generator per block, "
               "Native from one per request: their outputs are the same in distribution, not token for token, so "

@@ -62,7 +62,7 @@ from dblock.optimized.moe_steps import MoeSteps
 from dblock.optimized.plan import BlockPlan, EpochConfig, PathModel
 from dblock.optimized.rows import Rows, _PlanRows
 from dblock.optimized.stages import TorchStages
-from dblock.reference.executor import KVCache, LladaReference, PastStack, build_layout
+from dblock.reference.executor import KVCache, LladaReference, build_layout, stack_past
 
 #: the margin gate's counters (`stats()["margin_refresh"]`): denoising calls, requests in them, requests whose pass
 #: was approximate, those the gate computed a radius for, requests re-run exactly, their rows, calls with a re-run
@@ -79,7 +79,6 @@ class EpochExecutor(MoeSteps, Forward):
                              "build the epoch executor with `epoch_forward` (it picks the family's class)")
         self.model, self.config = model, model.config
         self.ecfg = cfg or EpochConfig()
-        self._past_stack = PastStack()      # the committed caches stacked once per block, not once per pass
         self.ap = self.ecfg.atlas_params.resolved(self.config.num_experts, self.config.num_experts_per_tok)
         self.reference = self._make_reference(model)
         self.dispatcher = dispatcher or LocalDispatcher(self.config.num_experts)
@@ -278,7 +277,10 @@ class EpochExecutor(MoeSteps, Forward):
         model = self.model
         tokens, positions, mask, valid, lens, cache_lens = build_layout(items, self.device)
         B, L = tokens.shape
-        past = self._past_stack.get(items, self.config.num_hidden_layers, mask.shape[2] - L)
+        n, Lc = self.config.num_hidden_layers, mask.shape[2] - L
+        # the committed caches stacked once per block, not once per pass (one kept stacking with the reference's
+        # append passes: an append changes the lengths, so the next call stacks again)
+        past = self.reference.past_stack.get(items, lambda: stack_past(items, n, Lc))
         R = self._plan_rows(items, L, self.config.hidden_size, model.embed.weight.dtype)
         R.path = self._pass_path(R)
         # a dispatcher may keep richer per-pass stats (ep.EPStats: per rank, FreshLane and dense)

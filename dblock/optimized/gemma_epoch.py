@@ -53,6 +53,7 @@ from dblock.optimized.freshlane import CommStats
 from dblock.optimized.plan import EpochConfig
 from dblock.optimized.rows import LayerCall
 from dblock.optimized.gemma_stages import GemmaStages
+from dblock.reference.executor import PastStack
 from dblock.gemma_config import SLIDING
 from dblock.reference.gemma_executor import (GemmaBatch, GemmaReference, append_to_caches, build_batch, layer_mask,
                                              stack_past)
@@ -106,7 +107,7 @@ class GemmaEpochExecutor(EpochExecutor):
         self.lsp_requested = cfg.lsp
         super().__init__(model, replace(cfg, lsp=False), dispatcher=dispatcher)
         self.moes = [GemmaMoe(layer) for layer in model.layers]
-        self._past_key: list = []                # [(cache, length)] the stacked past below was made for
+        self._stacks = PastStack()               # the stacked past, kept across the passes of a block
         self._past: list = []                    # per layer (k, v, key positions, key valid)
         self._lay = None                         # (positions, masks, rope, batch) of the last one-segment call
 
@@ -165,14 +166,11 @@ class GemmaEpochExecutor(EpochExecutor):
     # ---- the denoising call -------------------------------------------------------------------------------
     def _stack_past(self, items: list[StepInput]) -> bool:
         """Per layer the committed caches stacked for the batch (k, v, key positions, key valid), kept while the same
-        caches at the same lengths come back (no append happened). -> whether they were kept."""
-        key = [(it.cache, it.cache.length) for it in items]
-        if len(key) == len(self._past_key) and all(a is c and n == m for (a, n), (c, m) in zip(key, self._past_key)):
-            return True
+        caches at the same lengths come back (no append happened, `PastStack`). -> whether they were kept."""
         ref = self.embed_weight
-        self._past = [stack_past(items, i, ref) for i in range(self.config.num_hidden_layers)]
-        self._past_key = key
-        return False
+        self._past = self._stacks.get(items, lambda: [stack_past(items, i, ref)
+                                                      for i in range(self.config.num_hidden_layers)])
+        return self._stacks.kept
 
     def _layout(self, items: list[StepInput]):
         """The decoder call's batch (`gemma_executor.build_batch(items, encoder=False)`), the stacked caches, per

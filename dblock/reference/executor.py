@@ -76,18 +76,22 @@ def stack_past(items: list[StepInput], n_layers: int, Lc: int):
 
 
 class PastStack:
-    """The committed caches of a call's requests stacked per layer (`stack_past`), kept while the same caches come
-    back at the same lengths: the passes of one block append nothing, so they share one stacking. The key holds the
-    cache objects themselves (compared by identity, kept alive by the key), never their ids."""
+    """A call's committed caches stacked for the batch, kept while the same caches come back at the same lengths: the
+    passes of one block append nothing, so they share one stacking. `get(items, make)` returns the kept stacking or
+    `make()`'s; `kept` says which. The key holds the cache objects themselves (compared by identity, kept alive by
+    the key), never their ids. Both families' executors use it (the stacking itself is the family's)."""
 
     def __init__(self):
         self.key: list = []
         self.past = None
+        self.kept = False
 
-    def get(self, items: list[StepInput], n_layers: int, Lc: int):
+    def get(self, items: list[StepInput], make):
         key = [(it.cache, it.cache.length if it.cache is not None else 0) for it in items]
-        if not (len(key) == len(self.key) and all(a is c and n == m for (a, n), (c, m) in zip(key, self.key))):
-            self.past, self.key = stack_past(items, n_layers, Lc), key
+        self.kept = self.past is not None and len(key) == len(self.key) and all(
+            a is c and n == m for (a, n), (c, m) in zip(key, self.key))
+        if not self.kept:
+            self.past, self.key = make(), key
         return self.past
 
 
@@ -99,7 +103,7 @@ class LladaReference(Forward):
     def __init__(self, model: LladaModel):
         self.model = model
         self.config = model.config
-        self._past = PastStack()
+        self.past_stack = PastStack()           # shared with the Epoch executor that runs over this reference
 
     @property
     def device(self):
@@ -111,7 +115,8 @@ class LladaReference(Forward):
     @torch.no_grad()
     def _run(self, items: list[StepInput], taps=None):
         tokens, positions, mask, valid, lens, cache_lens = build_layout(items, self.device)
-        past = self._past.get(items, self.config.num_hidden_layers, mask.shape[2] - tokens.shape[1])
+        n, Lc = self.config.num_hidden_layers, mask.shape[2] - tokens.shape[1]
+        past = self.past_stack.get(items, lambda: stack_past(items, n, Lc))
         hidden, new_kv = self.model(tokens, positions, mask, past, taps)
         return hidden, new_kv, lens
 
